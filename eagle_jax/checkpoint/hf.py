@@ -1,0 +1,159 @@
+"""Load a Hugging Face model directory (config.json + safetensors) into ``LlamaModel``.
+
+Weights are read with ``safetensors`` only (never pickle). Each NNX parameter has one
+Hugging Face tensor name and a flag saying whether the PyTorch ``[out, in]`` layout must
+be transposed to our ``[in, out]``. Every tensor is checked for presence and shape before
+anything is built, so a bad checkpoint fails with the tensor's name, not halfway through.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+
+from eagle_jax.config import ModelConfig
+from eagle_jax.errors import CheckpointError
+from eagle_jax.model import LlamaModel
+
+log = logging.getLogger(__name__)
+
+# NNX path -> (Hugging Face name, transpose?). Built per config by ``param_name_map``.
+NameMap = dict[tuple, tuple[str, bool]]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU (XLA CPU has no fast bf16 matrix-vector), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def resolve_dtype(dtype: str | jnp.dtype | None) -> jnp.dtype:
+    if dtype is None:
+        return default_dtype()
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"dtype={dtype!r} is not supported; valid: {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+def param_name_map(cfg: ModelConfig) -> NameMap:
+    names: NameMap = {("embed_tokens",): ("model.embed_tokens.weight", False)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        lp = ("layers", i)
+        names[lp + ("input_layernorm", "weight")] = (p + "input_layernorm.weight", False)
+        names[lp + ("post_attention_layernorm", "weight")] = (p + "post_attention_layernorm.weight", False)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[lp + ("self_attn", proj, "kernel")] = (p + f"self_attn.{proj}.weight", True)
+        if cfg.attention_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names[lp + ("self_attn", proj, "bias")] = (p + f"self_attn.{proj}.bias", False)
+        if cfg.qk_norm:
+            names[lp + ("self_attn", "q_norm", "weight")] = (p + "self_attn.q_norm.weight", False)
+            names[lp + ("self_attn", "k_norm", "weight")] = (p + "self_attn.k_norm.weight", False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[lp + ("mlp", proj, "kernel")] = (p + f"mlp.{proj}.weight", True)
+    names[("norm", "weight")] = ("model.norm.weight", False)
+    # A tied head is filled from the embedding; an untied one has its own tensor.
+    names[("lm_head",)] = (
+        ("model.embed_tokens.weight", True) if cfg.tie_word_embeddings else ("lm_head.weight", True)
+    )
+    return names
+
+
+def safetensors_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file holding it (single file or sharded)."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e!r}") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must be an object")
+        files = {}
+        for name, shard in weight_map.items():
+            # The index is untrusted: a shard must be a plain file name inside the directory.
+            if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+                raise CheckpointError(f"{index}: tensor {name!r} maps to invalid shard {shard!r}")
+            if not (path / shard).is_file():
+                raise CheckpointError(f"{index}: shard {shard} (for {name}) not found in {path}")
+            files[name] = path / shard
+        return files
+    if single.is_file():
+        try:
+            with safe_open(single, framework="flax") as f:
+                return {name: single for name in f.keys()}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{single} is not a readable safetensors file: {e}") from e
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def read_tensors(files: dict[str, Path], wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Read the wanted tensors (name -> expected shape in the file), checking every shape first."""
+    missing = sorted(n for n in wanted if n not in files)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks tensor(s): {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    out: dict[str, np.ndarray] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="flax") as f:
+                for name in names:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != wanted[name]:
+                        raise CheckpointError(
+                            f"{file.name}: tensor {name} has shape {shape}, expected {wanted[name]}"
+                        )
+                    out[name] = np.asarray(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file} is corrupt or truncated: {e}") from e
+    return out
+
+
+def load_model(
+    path: str | Path, *, dtype: str | jnp.dtype | None = None, config: ModelConfig | None = None
+) -> LlamaModel:
+    """Load a Llama-family model from a Hugging Face directory.
+
+    Args:
+      path: directory with config.json and model.safetensors (or a sharded index).
+      dtype: parameter dtype; default float32 on CPU, bfloat16 on GPU.
+      config: override the config read from the directory (e.g. other feature layers).
+    """
+    path = Path(path)
+    cfg = config or ModelConfig.from_dir(path)
+    dtype = resolve_dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    names = param_name_map(cfg)
+    flat = dict(nnx.to_flat_state(state))
+    unmapped = [p for p in flat if p not in names]
+    if unmapped:  # a programming error, not a user one: the map must cover the model
+        raise RuntimeError(f"no checkpoint name for model parameter(s) {unmapped}")
+    wanted: dict[str, tuple[int, ...]] = {}
+    for p, (name, transpose) in names.items():
+        shape = tuple(flat[p].shape)
+        wanted[name] = shape[::-1] if transpose else shape
+    tensors = read_tensors(safetensors_files(path), wanted)
+    for p, (name, transpose) in names.items():
+        arr = tensors[name].T if transpose else tensors[name]
+        flat[p].set_value(jnp.asarray(np.ascontiguousarray(arr), dtype=dtype))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    log.info("loaded %s (%s, %d layers, dtype %s)", path, cfg.architecture, cfg.num_hidden_layers, jnp.dtype(dtype).name)
+    return model

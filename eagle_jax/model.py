@@ -1,0 +1,295 @@
+"""The Llama-family target model (Llama 3.x, Qwen2, Qwen3, SmolLM2) as a Flax NNX module.
+
+One forward serves prefill, decode and (later) tree verification: it writes the new
+tokens' keys and values into a static KV cache at given slots, attends with a per-token
+mask over the whole cache, and returns the final hidden states plus, when asked, the
+residual stream entering the configured feature layers (the EAGLE-3 draft's input).
+
+Layout choices, measured on CPU (see ../shared/docs/jax-notes.md):
+- each layer's weights are separate arrays, run by an unrolled Python loop (stacking them
+  and scanning costs ~40% at batch-1 decode);
+- the KV cache is one (k, v) pair of arrays per layer, donated by the jitted callers;
+- the output head is a pre-transposed ``[H, V]`` array even when tied (``x @ emb.T``
+  transposes the embedding on every call); the loader fills it from the embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from eagle_jax.config import ModelConfig, RopeScaling
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer key/value caches, each ``[B, S, KV, D]``; slot s holds position s."""
+
+    k: list[Array]
+    v: list[Array]
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        # jnp.zeros, not jnp.empty: since JAX 0.11 empty is uninitialised memory, and
+        # masked-out garbage can still be NaN, which poisons the softmax (0 * NaN).
+        return KVCache(
+            k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)],
+            v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)],
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+@functools.lru_cache(maxsize=None)
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with Hugging Face's rope scaling."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv = inv.astype(np.float32)
+    if scaling.rope_type == "linear":
+        inv = inv / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(
+    positions: Int[Array, "B T"], inv_freq: np.ndarray
+) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
+    """cos and sin tables for the given positions, in Hugging Face's half-split layout."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(
+    x: Float[Array, "B T N D"], cos: Float[Array, "B T D"], sin: Float[Array, "B T D"]
+) -> Float[Array, "B T N D"]:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * c + rotated * s
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)`` with the kernel stored ``[in, out]``."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
+        y = x @ self.kernel[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+def masked_attention(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B S Hkv D"],
+    v: Float[Array, "B S Hkv D"],
+    mask: Bool[Array, "B T S"],
+    scale: float,
+) -> Float[Array, "B T Hq D"]:
+    """Grouped-query attention of T queries over S keys under a boolean mask (f32 softmax)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, hq, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, d_in: int | None = None):
+        d_in = d_in or cfg.hidden_size
+        hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        bias = cfg.attention_bias
+        self.q_proj = Linear(d_in, nq * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d_in, nkv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d_in, nkv * hd, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nq * hd, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
+
+    def __call__(
+        self,
+        x: Float[Array, "B T I"],
+        cos: Float[Array, "B T D"],
+        sin: Float[Array, "B T D"],
+        k_cache: Float[Array, "B S KV D"],
+        v_cache: Float[Array, "B S KV D"],
+        cache_slots: Int[Array, "B T"],
+        mask: Bool[Array, "B T S"],
+    ):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Slots past the cache end (padding tokens) are dropped, never written.
+        rows = jnp.arange(b)[:, None]
+        k_cache = k_cache.at[rows, cache_slots].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, cache_slots].set(v.astype(v_cache.dtype), mode="drop")
+        out = masked_attention(q, k_cache, v_cache, mask, 1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, inter, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, cos, sin, k_cache, v_cache, cache_slots, mask):
+        a, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, cache_slots, mask
+        )
+        h = h + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, k_cache, v_cache
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class LlamaModel(nnx.Module):
+    """A Llama-family decoder with a static KV cache."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(
+            jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype)
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # [H, V]; for tied models the loader copies embed_tokens.T here.
+        self.lm_head = nnx.Param(
+            jnp.asarray(self.embed_tokens[...].T)
+            if cfg.tie_word_embeddings
+            else jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype)
+        )
+
+    def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T H"]:
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        cache_slots: Int[Array, "B T"],
+        mask: Bool[Array, "B T S"],
+        *,
+        return_features: bool = False,
+    ) -> tuple[Float[Array, "B T H"], Float[Array, "B T F"] | None, KVCache]:
+        """Run T new tokens per sequence against the cache.
+
+        Args:
+          tokens: token ids.
+          positions: RoPE positions of the tokens.
+          cache: the KV cache (S slots); returned updated.
+          cache_slots: the slot each token's key/value is written to (>= S: not written).
+          mask: ``mask[b, t, s]`` is True where token t may attend to slot s, after the
+            write (so a token must see its own slot).
+          return_features: also return the residual stream entering the feature layers,
+            concatenated low..high (``F = len(feature_layer_ids) * H``).
+
+        Returns:
+          (final normed hidden ``[B, T, H]``, features or None, updated cache).
+        """
+        cfg = self.config
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        h = self.embed(tokens)
+        feature_ids = cfg.feature_layer_ids
+        feats = {}
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            if return_features and i in feature_ids:
+                feats[i] = h
+            with jax.named_scope(f"layer_{i}"):
+                h, k, v = layer(h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask)
+            new_k.append(k)
+            new_v.append(v)
+        if return_features and cfg.num_hidden_layers in feature_ids:
+            feats[cfg.num_hidden_layers] = h
+        features = jnp.concatenate([feats[i] for i in feature_ids], axis=-1) if return_features else None
+        return self.norm(h), features, KVCache(k=new_k, v=new_v)
+
+    def logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
+        return (hidden @ self.lm_head[...]).astype(jnp.float32)
+
+
+def causal_mask(
+    positions: Int[Array, "B T"], max_len: int
+) -> Bool[Array, "B T S"]:
+    """Plain causal mask for tokens whose slot equals their position: slot s <= position."""
+    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
