@@ -1,0 +1,265 @@
+"""Plain (non-speculative) batched generation with static shapes.
+
+Shapes come from buckets: the batch is padded to a batch bucket, prompts to a prompt-
+length bucket, and the KV cache is sized to a cache bucket that holds the longest
+prompt plus its new tokens. Each (bucket, greedy-or-sampled) pair compiles once; the
+KV cache is donated to every step. The host loop dispatches step i+1 before reading
+step i's tokens, so host work (stop checks, detokenising) overlaps the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Int
+
+from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.model import KVCache, LlamaModel, causal_mask
+from eagle_jax.sampling import SamplingArrays, SamplingParams, sample_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Static shapes the compiled steps are built for."""
+
+    batch: tuple[int, ...] = (1, 2, 4, 8)
+    prompt: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
+    cache: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+
+    def __post_init__(self):
+        for name in ("batch", "prompt", "cache"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v <= 0 for v in values) or list(values) != sorted(set(values)):
+                raise ConfigError(f"buckets.{name}={values!r} must be a non-empty increasing tuple of positive ints")
+
+    @staticmethod
+    def pick(values: Sequence[int], n: int, what: str) -> int:
+        for v in values:
+            if v >= n:
+                return v
+        raise InputError(f"{what} {n} exceeds the largest bucket {values[-1]}")
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished request. ``finish_reason`` is "stop" (EOS, stop id or string) or "length"."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    tokens_per_second: float
+
+
+# ----------------------------------------------------------------------------- device steps
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy_only"), donate_argnames=("cache",))
+def prefill_step(
+    graphdef,
+    state,
+    tokens: Int[Array, "B P"],
+    lengths: Int[Array, "B"],
+    cache: KVCache,
+    samp: SamplingArrays,
+    *,
+    greedy_only: bool,
+):
+    """Prefill right-padded prompts; returns (first new token [B], cache)."""
+    model: LlamaModel = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    h, _, cache = model(tokens, pos, cache, pos, causal_mask(pos, cache.max_len))
+    last = h[jnp.arange(b), lengths - 1]  # only the last real token needs logits
+    nxt = sample_tokens(model.logits(last), samp, lengths, greedy_only=greedy_only)
+    return nxt, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy_only"), donate_argnames=("cache",))
+def decode_step(
+    graphdef,
+    state,
+    tokens: Int[Array, "B"],
+    seq_lens: Int[Array, "B"],
+    cache: KVCache,
+    samp: SamplingArrays,
+    *,
+    greedy_only: bool,
+):
+    """Feed one token per row at position ``seq_lens``; returns (next token, seq_lens + 1, cache)."""
+    model: LlamaModel = nnx.merge(graphdef, state)
+    pos = seq_lens[:, None]
+    h, _, cache = model(tokens[:, None], pos, cache, pos, causal_mask(pos, cache.max_len))
+    nxt = sample_tokens(model.logits(h[:, 0]), samp, seq_lens + 1, greedy_only=greedy_only)
+    # Finished or padding rows keep running; clamp so they never index past the cache.
+    return nxt, jnp.minimum(seq_lens + 1, cache.max_len - 1), cache
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+class _Request:
+    """Host-side progress of one request: tokens, text, stop checks."""
+
+    def __init__(self, index: int, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...], limit: int, tokenizer, on_text):
+        self.index = index
+        self.prompt = prompt
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.limit = limit  # max new tokens allowed by the request and the context
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+        self.end_time = 0.0
+        self.on_text = on_text
+        self.stream = tokenizer.stream_decoder() if tokenizer is not None else None
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self._finish("stop")
+            return
+        if self.stream is not None:
+            delta = self.stream.push(token)
+            if delta:
+                self._add_text(delta)
+        if self.finish_reason is None and len(self.tokens) >= self.limit:
+            self._finish("length")
+
+    def _add_text(self, delta: str) -> None:
+        start = max(0, len(self.text) - max((len(s) for s in self.params.stop_strings), default=0))
+        self.text += delta
+        for s in self.params.stop_strings:
+            i = self.text.find(s, start)
+            if i >= 0:
+                delta = delta[: max(0, len(delta) - (len(self.text) - i))]
+                self.text = self.text[:i]
+                self._emit(delta)
+                self.stopped_by_string = True
+                self._finish("stop")
+                return
+        self._emit(delta)
+
+    def _emit(self, delta: str) -> None:
+        if self.on_text is not None and delta:
+            self.on_text(self.index, delta)
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.end_time = time.perf_counter()
+
+
+class Generator:
+    """Plain generation for a loaded target model.
+
+    Args:
+      model: the target.
+      tokenizer: optional ``eagle_jax.tokenizer.Tokenizer`` (text output, stop strings).
+      buckets: static shapes to compile for.
+      max_seq_len: context limit (default: the model's ``max_position_embeddings``,
+        capped by the largest cache bucket).
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer=None, *, buckets: Buckets = Buckets(), max_seq_len: int | None = None):
+        cfg = model.config
+        limit = min(cfg.max_position_embeddings, buckets.cache[-1])
+        if max_seq_len is not None and not 1 < max_seq_len <= limit:
+            raise ConfigError(f"max_seq_len={max_seq_len} must be in [2, {limit}] (model context and largest cache bucket)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.buckets = buckets
+        self.max_seq_len = max_seq_len or limit
+        self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else cfg.eos_token_ids
+        self.graphdef, self.state = nnx.split(model)
+
+    def check_prompt(self, i: int, prompt: Sequence[int]) -> None:
+        if len(prompt) == 0:
+            raise InputError(f"prompt {i} is empty")
+        if len(prompt) >= self.max_seq_len:
+            raise InputError(
+                f"prompt {i} has {len(prompt)} tokens; the context holds {self.max_seq_len} "
+                f"(max_seq_len), leaving no room for a new token"
+            )
+        v = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < v]
+        if bad:
+            raise InputError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary [0, {v})")
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[Completion]:
+        """Generate for every prompt (token ids); ``on_text(index, delta)`` streams text."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for i, p in enumerate(prompts):
+            self.check_prompt(i, p)
+        out: list[Completion] = []
+        step = self.buckets.batch[-1]
+        for start in range(0, len(prompts), step):
+            chunk = range(start, min(start + step, len(prompts)))
+            out.extend(self._generate_batch([list(prompts[i]) for i in chunk], [params[i] for i in chunk], list(chunk), on_text))
+        return out
+
+    def _generate_batch(self, prompts, params, indices, on_text) -> list[Completion]:
+        n = len(prompts)
+        b = Buckets.pick(self.buckets.batch, n, "batch size")
+        longest = max(len(p) for p in prompts)
+        need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+        s_len = Buckets.pick(self.buckets.cache, min(need, self.max_seq_len), "sequence length")
+        # Prompts longer than every prompt bucket are padded to the cache length itself.
+        p_len = min((v for v in self.buckets.prompt if v >= longest), default=s_len)
+        s_len = max(s_len, Buckets.pick(self.buckets.cache, p_len, "prompt length"))
+        reqs = [
+            _Request(idx, p, sp, self.eos_ids, min(sp.max_new_tokens, self.max_seq_len - len(p)), self.tokenizer, on_text)
+            for idx, p, sp in zip(indices, prompts, params)
+        ]
+        greedy_only = all(sp.greedy for sp in params)
+        tokens = np.zeros((b, p_len), np.int32)
+        lengths = np.ones(b, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+        samp = SamplingArrays.build(params, b)
+        cache = KVCache.zeros(self.model.config, b, s_len, self.model.dtype)
+        t0 = time.perf_counter()
+        nxt, cache = prefill_step(
+            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lengths), cache, samp, greedy_only=greedy_only
+        )
+        seq = jnp.asarray(lengths)
+        while True:
+            # Dispatch the next step before reading this one's tokens (async overlap).
+            following, seq, cache = decode_step(self.graphdef, self.state, nxt, seq, cache, samp, greedy_only=greedy_only)
+            host = np.asarray(nxt)
+            for i, r in enumerate(reqs):
+                if r.finish_reason is None:
+                    r.push(int(host[i]))
+            if all(r.finish_reason is not None for r in reqs):
+                break
+            nxt = following
+        done = []
+        for r in reqs:
+            # The text cut at a stop string comes from the stream; otherwise decode whole.
+            if r.stopped_by_string:
+                text = r.text
+            else:
+                text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
+            elapsed = max(r.end_time - t0, 1e-9)
+            done.append(Completion(r.prompt, r.tokens, text, r.finish_reason, len(r.tokens) / elapsed))
+        return done
