@@ -1,0 +1,369 @@
+"""Read and write EAGLE-3 draft checkpoints (config.json + model.safetensors).
+
+The format is the released one (SpecForge, SGLang, vLLM): tensors ``fc.weight``,
+``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``,
+``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+``norm.weight``, ``lm_head.weight`` (PyTorch ``[out, in]``), ``d2t`` (int64 offsets),
+``t2d`` (bool) and an optional ``embed_tokens.weight`` (absent: the target's embedding is
+used, as the same array). Tensors are read with ``safetensors`` only, never pickle.
+
+Feature-layer ids (``eagle_config.eagle_aux_hidden_state_layer_ids``). Implementations
+disagree on what id k means; this project stores and writes "the residual stream
+*entering* target layer k" (what vLLM reads and what SGLang captures internally), so the
+default ``[2, N//2, N-3]`` is written as is. On load, ``layer_id_convention`` says how to
+read the file's ids:
+
+- ``"auto"`` (default): SGLang's current rule. If the first id is 1, the ids are
+  "output of layer k" as SpecForge writes them (``[1, N//2-1, N-4]``) and 1 is added to
+  each; otherwise they are taken as inputs.
+- ``"output"``: always add 1.  ``"input"``: never.
+
+A config without ``eagle_config`` (the reference training config) gets the default
+``[2, N//2, N-3]`` of the target, so loading it needs ``target``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from eagle_jax.checkpoint.hf import NameMap, read_tensors, resolve_dtype, safetensors_files
+from eagle_jax.config import ModelConfig
+from eagle_jax.draft import DraftConfig, Eagle3Draft, check_compatible
+from eagle_jax.errors import CheckpointError, ConfigError
+from eagle_jax.model import LlamaModel
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
+LAYER_ID_CONVENTIONS = ("auto", "input", "output")
+# Tensors that are not NNX parameters: the vocabulary maps (index arrays, read separately).
+D2T, T2D, EMBED = "d2t", "t2d", "embed_tokens.weight"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def to_input_layer_ids(ids: list[int] | tuple[int, ...], convention: str) -> tuple[int, ...]:
+    """Translate a file's aux-layer ids to this project's "input of layer k" convention."""
+    if convention not in LAYER_ID_CONVENTIONS:
+        raise ConfigError(
+            f"layer_id_convention={convention!r} is not supported; valid: {', '.join(LAYER_ID_CONVENTIONS)}"
+        )
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ConfigError(
+            f"eagle_aux_hidden_state_layer_ids={ids!r} must be a non-empty list of layer ids >= 0"
+        )
+    shift = convention == "output" or (convention == "auto" and ids[0] == 1)
+    return tuple(i + 1 if shift else i for i in ids)
+
+
+def default_aux_layer_ids(target_cfg: ModelConfig) -> tuple[int, ...]:
+    """The default feature layers ``(2, N//2, N-3)`` of a target, whatever it is configured with."""
+    return target_cfg.replace(aux_layer_ids=None).feature_layer_ids
+
+
+def draft_config_from_hf(
+    d: dict[str, Any],
+    *,
+    target_cfg: ModelConfig | None = None,
+    layer_id_convention: str = "auto",
+    has_embed_tokens: bool = False,
+) -> DraftConfig:
+    """A DraftConfig from a draft's config.json (see the module docstring for layer ids)."""
+    arch = (d.get("architectures") or [ARCHITECTURES[0]])[0]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"draft architecture {arch!r} is not supported; valid: {', '.join(ARCHITECTURES)}")
+    layers = d.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise ConfigError(f"draft num_hidden_layers={layers!r} is not supported; valid: 1")
+    # The draft layer is a Llama layer: parse sizes, norm epsilon and RoPE (with HF defaults,
+    # e.g. rope_theta 10000 when absent) exactly as for a Llama target.
+    base = ModelConfig.from_hf_dict({**d, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+    return DraftConfig(
+        hidden_size=base.hidden_size,
+        intermediate_size=base.intermediate_size,
+        num_attention_heads=base.num_attention_heads,
+        num_key_value_heads=base.num_key_value_heads,
+        head_dim=base.head_dim,
+        vocab_size=base.vocab_size,
+        draft_vocab_size=int(d.get("draft_vocab_size") or base.vocab_size),
+        target_hidden_size=int(d.get("target_hidden_size") or base.hidden_size),
+        aux_layer_ids=_aux_layer_ids(d, target_cfg, layer_id_convention),
+        rms_norm_eps=base.rms_norm_eps,
+        rope_theta=base.rope_theta,
+        rope_scaling=base.rope_scaling,
+        max_position_embeddings=base.max_position_embeddings,
+        has_embed_tokens=has_embed_tokens,
+        norm_before_residual=bool(d.get("norm_before_residual", False)),
+    )
+
+
+def _aux_layer_ids(d: dict[str, Any], target_cfg: ModelConfig | None, convention: str) -> tuple[int, ...]:
+    eagle = d.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise ConfigError(f"draft eagle_config={eagle!r} must be an object")
+    if eagle.get("use_aux_hidden_state") is False:
+        raise ConfigError("draft eagle_config.use_aux_hidden_state=false: not an EAGLE-3 draft; valid: true")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        return to_input_layer_ids(ids, convention)
+    if target_cfg is None:
+        raise ConfigError(
+            "draft config.json has no eagle_config.eagle_aux_hidden_state_layer_ids; pass target= "
+            "so the default feature layers [2, N//2, N-3] of the target can be used"
+        )
+    return default_aux_layer_ids(target_cfg)
+
+
+def draft_config_to_hf(cfg: DraftConfig, dtype: jnp.dtype) -> dict[str, Any]:
+    """The released config.json of a draft (aux ids written in the "input" convention)."""
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[0]],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": jnp.dtype(dtype).name,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+    if cfg.rope_scaling.rope_type != "default":
+        d["rope_scaling"] = dataclasses.asdict(cfg.rope_scaling)
+    if cfg.norm_before_residual:  # vLLM's field; absent means False everywhere
+        d["norm_before_residual"] = True
+    return d
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise CheckpointError(f"draft checkpoint directory {path} does not exist")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path} not found: a draft directory needs config.json")
+    try:
+        d = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_path} must hold a JSON object")
+    return d
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    if not any(path.glob("*.safetensors*")) and any(path.glob("*.bin")):
+        raise CheckpointError(
+            f"{path} holds only PyTorch .bin weights, which are pickles and are not loaded; "
+            "convert them to model.safetensors"
+        )
+    return safetensors_files(path)
+
+
+def read_draft_config(
+    path: str | Path, *, target_cfg: ModelConfig | None = None, layer_id_convention: str = "auto"
+) -> DraftConfig:
+    """The DraftConfig of a draft directory (e.g. to build the target with its feature layers)."""
+    path = Path(path)
+    d = _read_config_json(path)
+    has_embed = EMBED in _tensor_files(path)
+    return draft_config_from_hf(
+        d, target_cfg=target_cfg, layer_id_convention=layer_id_convention, has_embed_tokens=has_embed
+    )
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def draft_name_map(cfg: DraftConfig) -> NameMap:
+    """NNX path -> (checkpoint tensor name, transpose?) for the draft's float parameters."""
+    names: NameMap = {("fc", "kernel"): ("fc.weight", True)}
+    for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        names[("midlayer", norm, "weight")] = (f"midlayer.{norm}.weight", False)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names[("midlayer", "self_attn", proj, "kernel")] = (f"midlayer.self_attn.{proj}.weight", True)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        names[("midlayer", "mlp", proj, "kernel")] = (f"midlayer.mlp.{proj}.weight", True)
+    names[("norm", "weight")] = ("norm.weight", False)
+    names[("lm_head",)] = ("lm_head.weight", True)
+    if cfg.has_embed_tokens:
+        names[("embed_tokens",)] = (EMBED, False)
+    return names
+
+
+def _read_vocab_maps(files: dict[str, Path], cfg: DraftConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Read and validate ``d2t [Vd]`` (offsets) and ``t2d [V]`` (membership)."""
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    if D2T not in files and T2D not in files and vd == v:
+        return np.zeros(vd, np.int64), np.ones(v, bool)  # full vocabulary: identity map
+    wanted = {D2T: (vd,), T2D: (v,)}
+    missing = [n for n in wanted if n not in files]
+    if missing:
+        raise CheckpointError(f"draft checkpoint lacks tensor(s): {', '.join(missing)}")
+    out = {}
+    for name, shape in wanted.items():
+        # numpy, not read_tensors' flax framework: with 64-bit JAX off, that would silently
+        # narrow int64 offsets to int32 and wrap bad values into plausible ones.
+        try:
+            with safe_open(files[name], framework="numpy") as f:
+                arr = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{files[name]} is corrupt or truncated: {e}") from e
+        if arr.shape != shape:
+            raise CheckpointError(f"{files[name].name}: tensor {name} has shape {arr.shape}, expected {shape}")
+        out[name] = arr
+    d2t, t2d = out[D2T], out[T2D]
+    if not np.issubdtype(d2t.dtype, np.integer):
+        raise CheckpointError(f"tensor d2t has dtype {d2t.dtype}, expected an integer type (int64)")
+    if not (t2d.dtype == bool or np.issubdtype(t2d.dtype, np.integer)):
+        raise CheckpointError(f"tensor t2d has dtype {t2d.dtype}, expected bool")
+    _check_vocab_maps(d2t, t2d.astype(bool), cfg)
+    return d2t, t2d.astype(bool)
+
+
+def _check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray, cfg: DraftConfig) -> None:
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    target = np.arange(vd, dtype=np.int64) + d2t.astype(np.int64)
+    bad = np.flatnonzero((target < 0) | (target >= v))
+    if bad.size:
+        i = int(bad[0])
+        raise CheckpointError(
+            f"tensor d2t maps draft id {i} to target id {int(target[i])}, outside [0, {v}) "
+            f"({bad.size} draft ids out of range)"
+        )
+    count = int(t2d.sum())
+    if count != vd:
+        raise CheckpointError(f"tensor t2d marks {count} target ids, expected draft_vocab_size={vd}")
+    if np.unique(target).size != vd or not t2d[target].all():
+        raise CheckpointError("tensors d2t and t2d disagree on which target ids form the draft vocabulary")
+
+
+# ----------------------------------------------------------------------------- load / save
+
+
+def load_draft(
+    path: str | Path,
+    *,
+    target: LlamaModel | None = None,
+    dtype: str | jnp.dtype | None = None,
+    layer_id_convention: str = "auto",
+) -> Eagle3Draft:
+    """Load an EAGLE-3 draft directory.
+
+    Args:
+      path: directory with config.json and model.safetensors (or a sharded index).
+      target: the target model; checked for compatibility, and its embedding is shared
+        when the draft has none. Required when the draft has no embedding or its config
+        has no aux-layer ids.
+      dtype: parameter dtype; default float32 on CPU, bfloat16 on GPU.
+      layer_id_convention: how to read the file's aux-layer ids ("auto", "input", "output").
+    """
+    path = Path(path)
+    d = _read_config_json(path)
+    files = _tensor_files(path)
+    cfg = draft_config_from_hf(
+        d,
+        target_cfg=target.config if target is not None else None,
+        layer_id_convention=layer_id_convention,
+        has_embed_tokens=EMBED in files,
+    )
+    if target is not None:
+        check_compatible(cfg, target.config)
+    elif not cfg.has_embed_tokens:
+        raise CheckpointError(f"draft in {path} has no {EMBED}: pass target= to use the target's embedding")
+    dtype = resolve_dtype(dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Eagle3Draft(cfg, dtype=dtype)))
+    flat = dict(nnx.to_flat_state(state))
+    names = draft_name_map(cfg)
+    unmapped = [p for p in flat if p not in names and p not in {("embed_tokens",), ("d2t",), ("t2d",)}]
+    if unmapped:  # a programming error: the map must cover the model
+        raise RuntimeError(f"no checkpoint name for draft parameter(s) {unmapped}")
+    wanted = {}
+    for p, (name, transpose) in names.items():
+        shape = tuple(flat[p].shape)
+        wanted[name] = shape[::-1] if transpose else shape
+    tensors = read_tensors(files, wanted)
+    d2t, t2d = _read_vocab_maps(files, cfg)
+    for p, (name, transpose) in names.items():
+        arr = tensors[name].T if transpose else tensors[name]
+        flat[p].set_value(jnp.asarray(np.ascontiguousarray(arr), dtype=dtype))
+    if not cfg.has_embed_tokens:
+        # The same array as the target's (no copy) unless the dtypes differ.
+        flat[("embed_tokens",)].set_value(target.embed_tokens[...].astype(dtype))
+    flat[("d2t",)].set_value(jnp.asarray(d2t.astype(np.int32)))
+    flat[("t2d",)].set_value(jnp.asarray(t2d))
+    draft = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    log.info(
+        "loaded draft %s (H=%d, Vd=%d, aux layers %s, dtype %s)",
+        path, cfg.hidden_size, cfg.draft_vocab_size, cfg.aux_layer_ids, jnp.dtype(dtype).name,
+    )
+    return draft
+
+
+def save_draft(draft: Eagle3Draft, path: str | Path) -> None:
+    """Write ``draft`` as config.json + model.safetensors in the released layout.
+
+    ``embed_tokens.weight`` is written only when ``draft.config.has_embed_tokens``.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = draft.config
+    flat = dict(nnx.to_flat_state(nnx.state(draft)))
+    tensors: dict[str, np.ndarray] = {}
+    for p, (name, transpose) in draft_name_map(cfg).items():
+        arr = np.asarray(flat[p][...])
+        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    tensors[D2T] = np.asarray(draft.d2t[...]).astype(np.int64)
+    tensors[T2D] = np.asarray(draft.t2d[...]).astype(bool)
+    # "format": "pt" is what transformers and SGLang expect in a PyTorch-layout file.
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = draft_config_to_hf(cfg, draft.fc.kernel[...].dtype)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def random_draft(
+    target_cfg: ModelConfig, *, seed: int, draft_vocab_size: int | None = None
+) -> Eagle3Draft:
+    """A random draft for ``target_cfg`` (float32, own embedding) for tests.
+
+    Norm weights are perturbed away from 1 so a misplaced norm shows; the draft
+    vocabulary is a random sorted subset of the target's.
+    """
+    overrides: dict[str, Any] = {"has_embed_tokens": True}
+    if draft_vocab_size is not None:
+        overrides["draft_vocab_size"] = draft_vocab_size
+    cfg = DraftConfig.for_target(target_cfg, **overrides)
+    draft = Eagle3Draft(cfg, rngs=nnx.Rngs(seed))
+    key = jax.random.key(seed)
+    for i, norm in enumerate(
+        (draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm, draft.norm)
+    ):
+        noise = jax.random.normal(jax.random.fold_in(key, i), norm.weight.shape)
+        norm.weight.set_value(1.0 + 0.1 * noise)
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False))
+    draft.d2t.set_value(jnp.asarray(ids - np.arange(cfg.draft_vocab_size), jnp.int32))
+    draft.t2d.set_value(jnp.asarray(np.isin(np.arange(cfg.vocab_size), ids)))
+    return draft
