@@ -1,0 +1,45 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct GGUF, its imported directory, and the
+tokenizer transformers builds from the GGUF (a reference, loaded once per session)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where `make model` puts the imported SmolLM2 checkpoint.
+SMOLLM2_CHECKPOINT = REPO_ROOT / "checkpoints" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2 GGUF named by $EAGLE_JAX_GGUF (the Makefile sets it); skips
+    the test when the variable is unset or the file is missing."""
+    value = os.environ.get("EAGLE_JAX_GGUF")
+    if not value:
+        pytest.skip("EAGLE_JAX_GGUF is not set (make test sets it to the SmolLM2 GGUF)")
+    path = Path(value)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        pytest.skip(f"EAGLE_JAX_GGUF={value} does not exist (run `make model`)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(request, tmp_path_factory) -> Path:
+    """An imported SmolLM2 directory: checkpoints/smollm2-135m-instruct when `make model`
+    made it, else the GGUF imported once per session into a temporary directory."""
+    if (SMOLLM2_CHECKPOINT / "config.json").is_file():
+        return SMOLLM2_CHECKPOINT
+    from eagle_jax.checkpoint.gguf_import import import_gguf
+
+    gguf_path = request.getfixturevalue("smollm2_gguf")
+    return import_gguf(gguf_path, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    """transformers' tokenizer built from the GGUF itself (the reference for parity)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
