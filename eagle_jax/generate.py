@@ -108,7 +108,7 @@ def decode_step(
 # ----------------------------------------------------------------------------- host side
 
 
-class _Request:
+class RequestProgress:
     """Host-side progress of one request: tokens, text, stop checks."""
 
     def __init__(self, index: int, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...], limit: int, tokenizer, on_text):
@@ -159,6 +159,61 @@ class _Request:
         self.finish_reason = reason
         self.end_time = time.perf_counter()
 
+    def final_text(self, tokenizer) -> str:
+        # The text cut at a stop string comes from the stream; otherwise decode whole.
+        if self.stopped_by_string:
+            return self.text
+        return tokenizer.decode(self.tokens) if tokenizer is not None else ""
+
+
+@dataclasses.dataclass
+class PaddedBatch:
+    """A batch laid out for the compiled shapes: right-padded prompts, bucket sizes."""
+
+    batch: int  # batch bucket
+    prompt_len: int  # prompt bucket
+    cache_len: int  # cache bucket: the longest prompt plus its new tokens (capped)
+    tokens: np.ndarray  # [batch, prompt_len]
+    lengths: np.ndarray  # [batch]
+
+    @staticmethod
+    def build(buckets: "Buckets", prompts: list[list[int]], params: Sequence[SamplingParams], max_seq_len: int) -> "PaddedBatch":
+        b = Buckets.pick(buckets.batch, len(prompts), "batch size")
+        longest = max(len(p) for p in prompts)
+        need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+        s_len = Buckets.pick(buckets.cache, min(need, max_seq_len), "sequence length")
+        # Prompts longer than every prompt bucket are padded to the cache length itself.
+        p_len = min((v for v in buckets.prompt if v >= longest), default=s_len)
+        s_len = max(s_len, Buckets.pick(buckets.cache, p_len, "prompt length"))
+        tokens = np.zeros((b, p_len), np.int32)
+        lengths = np.ones(b, np.int32)  # padding rows: a 1-token dummy prompt
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+        return PaddedBatch(b, p_len, s_len, tokens, lengths)
+
+
+def check_prompt(i: int, prompt: Sequence[int], max_seq_len: int, vocab_size: int) -> None:
+    """Reject an empty prompt, one with no room for a new token, or out-of-vocabulary ids."""
+    if len(prompt) == 0:
+        raise InputError(f"prompt {i} is empty")
+    if len(prompt) >= max_seq_len:
+        raise InputError(
+            f"prompt {i} has {len(prompt)} tokens; the context holds {max_seq_len} "
+            f"(max_seq_len), leaving no room for a new token"
+        )
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+def normalize_params(prompts, params) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    return list(params)
+
 
 class Generator:
     """Plain generation for a loaded target model.
@@ -183,19 +238,6 @@ class Generator:
         self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else cfg.eos_token_ids
         self.graphdef, self.state = nnx.split(model)
 
-    def check_prompt(self, i: int, prompt: Sequence[int]) -> None:
-        if len(prompt) == 0:
-            raise InputError(f"prompt {i} is empty")
-        if len(prompt) >= self.max_seq_len:
-            raise InputError(
-                f"prompt {i} has {len(prompt)} tokens; the context holds {self.max_seq_len} "
-                f"(max_seq_len), leaving no room for a new token"
-            )
-        v = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < v]
-        if bad:
-            raise InputError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary [0, {v})")
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -204,12 +246,9 @@ class Generator:
         on_text: Callable[[int, str], None] | None = None,
     ) -> list[Completion]:
         """Generate for every prompt (token ids); ``on_text(index, delta)`` streams text."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = normalize_params(prompts, params)
         for i, p in enumerate(prompts):
-            self.check_prompt(i, p)
+            check_prompt(i, p, self.max_seq_len, self.model.config.vocab_size)
         out: list[Completion] = []
         step = self.buckets.batch[-1]
         for start in range(0, len(prompts), step):
@@ -218,31 +257,19 @@ class Generator:
         return out
 
     def _generate_batch(self, prompts, params, indices, on_text) -> list[Completion]:
-        n = len(prompts)
-        b = Buckets.pick(self.buckets.batch, n, "batch size")
-        longest = max(len(p) for p in prompts)
-        need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
-        s_len = Buckets.pick(self.buckets.cache, min(need, self.max_seq_len), "sequence length")
-        # Prompts longer than every prompt bucket are padded to the cache length itself.
-        p_len = min((v for v in self.buckets.prompt if v >= longest), default=s_len)
-        s_len = max(s_len, Buckets.pick(self.buckets.cache, p_len, "prompt length"))
+        pb = PaddedBatch.build(self.buckets, prompts, params, self.max_seq_len)
         reqs = [
-            _Request(idx, p, sp, self.eos_ids, min(sp.max_new_tokens, self.max_seq_len - len(p)), self.tokenizer, on_text)
+            RequestProgress(idx, p, sp, self.eos_ids, min(sp.max_new_tokens, pb.cache_len - len(p)), self.tokenizer, on_text)
             for idx, p, sp in zip(indices, prompts, params)
         ]
         greedy_only = all(sp.greedy for sp in params)
-        tokens = np.zeros((b, p_len), np.int32)
-        lengths = np.ones(b, np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            lengths[i] = len(p)
-        samp = SamplingArrays.build(params, b)
-        cache = KVCache.zeros(self.model.config, b, s_len, self.model.dtype)
+        samp = SamplingArrays.build(params, pb.batch)
+        cache = KVCache.zeros(self.model.config, pb.batch, pb.cache_len, self.model.dtype)
         t0 = time.perf_counter()
         nxt, cache = prefill_step(
-            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lengths), cache, samp, greedy_only=greedy_only
+            self.graphdef, self.state, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths), cache, samp, greedy_only=greedy_only
         )
-        seq = jnp.asarray(lengths)
+        seq = jnp.asarray(pb.lengths)
         while True:
             # Dispatch the next step before reading this one's tokens (async overlap).
             following, seq, cache = decode_step(self.graphdef, self.state, nxt, seq, cache, samp, greedy_only=greedy_only)
@@ -253,13 +280,8 @@ class Generator:
             if all(r.finish_reason is not None for r in reqs):
                 break
             nxt = following
-        done = []
-        for r in reqs:
-            # The text cut at a stop string comes from the stream; otherwise decode whole.
-            if r.stopped_by_string:
-                text = r.text
-            else:
-                text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
-            elapsed = max(r.end_time - t0, 1e-9)
-            done.append(Completion(r.prompt, r.tokens, text, r.finish_reason, len(r.tokens) / elapsed))
-        return done
+        return [
+            Completion(r.prompt, r.tokens, r.final_text(self.tokenizer), r.finish_reason,
+                       len(r.tokens) / max(r.end_time - t0, 1e-9))
+            for r in reqs
+        ]

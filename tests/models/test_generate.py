@@ -8,6 +8,7 @@ from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.errors import InputError
 from eagle_jax.generate import Buckets, Generator
 from eagle_jax.sampling import SamplingParams
+from hf_factories import make_hf_model
 
 SMALL = Buckets(batch=(1, 4), prompt=(8, 16, 32), cache=(64, 128))
 
@@ -33,8 +34,6 @@ def test_greedy_matches_transformers_generate(hf_checkpoint):
 
 
 def _tiny(tmp_path):
-    from conftest import make_hf_model
-
     hf = make_hf_model("llama_tied", seed=3)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     return hf, Generator(load_model(tmp_path), buckets=SMALL, max_seq_len=128)

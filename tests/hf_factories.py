@@ -1,0 +1,63 @@
+"""Small random Hugging Face checkpoints for tests (Llama with Llama-3 rope scaling, Qwen2, Qwen3)."""
+
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+
+def _llama():
+    return transformers.LlamaConfig(
+        **TINY,
+        rope_theta=50000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=False,
+    ), transformers.LlamaForCausalLM
+
+
+def _llama_tied():
+    return transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=True), transformers.LlamaForCausalLM
+
+
+def _qwen2():
+    return transformers.Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=False), transformers.Qwen2ForCausalLM
+
+
+def _qwen3():
+    return (
+        transformers.Qwen3Config(**TINY, head_dim=24, rope_theta=1e6, tie_word_embeddings=True),
+        transformers.Qwen3ForCausalLM,
+    )
+
+
+ARCHS = {"llama3": _llama, "llama_tied": _llama_tied, "qwen2": _qwen2, "qwen3": _qwen3}
+
+
+def make_hf_model(kind: str, seed: int = 0):
+    cfg, cls = ARCHS[kind]()
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    # Random init leaves norms at 1 and biases at 0: perturb them so the parity test
+    # would catch a norm or bias that is loaded into the wrong place.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+

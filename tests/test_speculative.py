@@ -1,0 +1,231 @@
+"""Speculative decoding is lossless: greedy output token-identical to plain greedy, sampled
+output distributed as the target's, across chain and tree configs and acceptance regimes."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.errors import ConfigError
+from eagle_jax.generate import Buckets, Generator
+from eagle_jax.model import KVCache, causal_mask
+from eagle_jax.sampling import SamplingParams, target_probs
+from eagle_jax.speculative import SpeculativeConfig, SpeculativeGenerator
+from hf_factories import make_hf_model
+
+BUCKETS = Buckets(batch=(1, 4, 8), prompt=(16,), cache=(160,))
+CHAINS = [SpeculativeConfig(num_steps=s) for s in (1, 3, 5)]
+TREES = [
+    SpeculativeConfig(num_steps=3, topk=4, num_draft_tokens=8),
+    SpeculativeConfig(num_steps=5, topk=4, num_draft_tokens=16),
+    SpeculativeConfig(num_steps=6, topk=10, num_draft_tokens=60),
+]
+
+
+def _cfg_id(c):
+    return f"S{c.num_steps}k{c.topk}T{c.num_draft_tokens}"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    hf = make_hf_model("llama3", seed=11)
+    with torch.no_grad():  # a peakier head makes greedy continuations less repetitive
+        hf.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("spec_target")
+    hf.save_pretrained(path, safe_serialization=True)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return random_draft(target.config, seed=5, draft_vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, 200, n).tolist() for n in (5, 13, 2, 9, 16, 1, 7, 11)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """Plain greedy continuations (128 tokens; the oracle's source)."""
+    gen = Generator(target, buckets=BUCKETS)
+    return gen.generate(prompts, SamplingParams(max_new_tokens=128, ignore_eos=True))
+
+
+def _check_lossless(target, draft, cfg, prompts, reference, regime):
+    gen = SpeculativeGenerator(target, draft, cfg, buckets=BUCKETS)
+    oracle = [p + r.token_ids for p, r in zip(prompts, reference)] if regime != "random" else None
+    noise = 0.3 if regime == "noisy" else 0.0
+    # A stop id taken from the middle of prompt 0's reference, so stops land mid-draft;
+    # max_new_tokens values that are no multiple of the accept length.
+    stop = reference[0].token_ids[21]
+    for batch in (1, 3, 8):
+        idx = list(range(batch))
+        params = [
+            SamplingParams(max_new_tokens=128 if i % 2 == 0 else 37 + i, stop_token_ids=(stop,) if i == 0 else (), ignore_eos=True)
+            for i in idx
+        ]
+        out = gen.generate([prompts[i] for i in idx], params, oracle=None if oracle is None else [oracle[i] for i in idx], oracle_noise=noise)
+        for i, o in zip(idx, out):
+            ref = reference[i].token_ids[: params[i].max_new_tokens]
+            if i == 0:
+                ref = ref[: ref.index(stop) + 1]
+            assert o.token_ids == ref, (_cfg_id(cfg), regime, batch, i)
+            assert o.finish_reason == ("stop" if i == 0 else "length")
+            assert all(1 <= a <= cfg.max_accept for a in o.accept_lengths)
+    return out
+
+
+@pytest.mark.parametrize("cfg", CHAINS, ids=_cfg_id)
+@pytest.mark.parametrize("regime", ["random", "oracle", "noisy"])
+def test_chain_greedy_lossless(target, draft, prompts, reference, cfg, regime):
+    out = _check_lossless(target, draft, cfg, prompts, reference, regime)
+    mean = np.mean([a for o in out for a in o.accept_lengths])
+    if regime == "oracle":  # everything accepted (up to the last, truncated step)
+        assert mean > cfg.max_accept - 0.25
+    if regime == "random":
+        assert mean < 1.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", TREES, ids=_cfg_id)
+@pytest.mark.parametrize("regime", ["random", "oracle", "noisy"])
+def test_tree_greedy_lossless(target, draft, prompts, reference, cfg, regime):
+    out = _check_lossless(target, draft, cfg, prompts, reference, regime)
+    if regime == "oracle":
+        assert np.mean([a for o in out for a in o.accept_lengths]) > 1.5
+
+
+def test_tree_greedy_lossless_fast(target, draft, prompts, reference):
+    """The smallest tree, every regime, batch 1/3/8 (the full grid is marked slow)."""
+    for regime in ("random", "oracle", "noisy"):
+        _check_lossless(target, draft, TREES[0], prompts, reference, regime)
+
+
+def test_plain_mode_keeps_output(target, draft, prompts, reference):
+    gen = SpeculativeGenerator(target, draft, None, buckets=BUCKETS)
+    out = gen.generate(prompts[:3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in out] == [r.token_ids[:40] for r in reference[:3]]
+    assert all(set(o.accept_lengths) == {1} for o in out)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_steps=0), "num_steps"),
+        (dict(topk=0), "topk"),
+        (dict(num_steps=3, num_draft_tokens=5), "num_draft_tokens"),
+        (dict(num_steps=3, topk=4), "num_draft_tokens"),
+        (dict(num_steps=2, topk=2, num_draft_tokens=8), "num_draft_tokens"),
+        (dict(threshold_acc=0.0), "threshold_acc"),
+        (dict(threshold_single=1.5), "threshold_single"),
+    ],
+)
+def test_invalid_speculative_config(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SpeculativeConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+SMALL_V = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A target with an 8-token vocabulary and peaky distributions, and a draft that
+    disagrees with it (so rejections happen)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=SMALL_V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20.0)
+        hf.model.embed_tokens.weight.mul_(5.0)
+    path = tmp_path_factory.mktemp("small_vocab")
+    hf.save_pretrained(path, safe_serialization=True)
+    target = load_model(path)
+    draft = random_draft(target.config, seed=1, draft_vocab_size=SMALL_V)
+    from flax import nnx
+
+    state = nnx.state(draft, nnx.Param)
+    state["lm_head"].set_value(state["lm_head"][...] * 400.0)
+    nnx.update(draft, state)
+    return target, draft
+
+
+def _exact_pair_probs(target, prompt, sp):
+    """P(x2, x3 | prompt, x1) for every x1: the target's own distribution, computed directly."""
+    v = SMALL_V
+    n = len(prompt)
+    seqs = np.array([prompt + [a, b] for a in range(v) for b in range(v)], np.int32)  # [v*v, n+2]
+    pos = np.broadcast_to(np.arange(n + 2), seqs.shape)
+    cache = KVCache.zeros(target.config, len(seqs), 32)
+    import jax.numpy as jnp
+
+    h, _, _ = target(jnp.asarray(seqs), jnp.asarray(pos), cache, jnp.asarray(pos), causal_mask(jnp.asarray(pos), 32))
+    logits = target.logits(h)  # [v*v, n+2, V]
+    rows = len(seqs)
+    tp = lambda lg: np.asarray(target_probs(lg, jnp.full((rows,), sp.temperature), jnp.full((rows,), sp.top_k, jnp.int32), jnp.full((rows,), sp.top_p)))  # noqa: E731
+    p1 = tp(logits[:, n - 1])[0]  # P(x1)
+    p2 = tp(logits[:, n])  # row (a, b): P(x2 | x1=a)
+    p3 = tp(logits[:, n + 1])  # row (a, b): P(x3 | x1=a, x2=b)
+    joint = np.zeros((v, v, v))
+    for a in range(v):
+        for b in range(v):
+            joint[a, b] = p1[a] * p2[a * v + b, b] * p3[a * v + b]
+    return joint  # [x1, x2, x3]
+
+
+def _spec_samples(target, draft, cfg, sp_base, n_rows):
+    buckets = Buckets(batch=(n_rows,), prompt=(8,), cache=(32,))
+    gen = SpeculativeGenerator(target, draft, cfg, buckets=buckets)
+    prompt = [1, 5, 2, 7]
+    params = [SamplingParams(temperature=sp_base.temperature, top_k=sp_base.top_k, top_p=sp_base.top_p, seed=s, max_new_tokens=3, ignore_eos=True) for s in range(n_rows)]
+    out = gen.generate([prompt] * n_rows, params)
+    return prompt, np.array([o.token_ids[:3] for o in out])
+
+
+def _chi2_pvalue(samples, joint):
+    """Chi-square of the (x1, x2, x3) counts against the exact joint, pooling rare cells."""
+    v = SMALL_V
+    counts = np.zeros(v**3)
+    np.add.at(counts, samples[:, 0] * v * v + samples[:, 1] * v + samples[:, 2], 1)
+    expected = joint.reshape(-1) * len(samples)
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [SpeculativeConfig(num_steps=2), SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6)],
+    ids=_cfg_id,
+)
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)], ids=["t1", "t0.8k5p0.9"])
+def test_sampling_matches_target_distribution(small_vocab, cfg, sp):
+    target, draft = small_vocab
+    prompt, samples = _spec_samples(target, draft, cfg, sp, 4096)
+    joint = _exact_pair_probs(target, prompt, sp)
+    p = _chi2_pvalue(samples, joint)
+    assert p > 1e-3, p
+
+
+def test_biased_thresholds_fail_the_same_test(small_vocab):
+    """threshold_acc < 1 relaxes acceptance (SGLang): the chi-square test must catch it."""
+    target, draft = small_vocab
+    sp = SamplingParams(temperature=1.0)
+    cfg = SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6, threshold_acc=0.2, threshold_single=0.2)
+    prompt, samples = _spec_samples(target, draft, cfg, sp, 4096)
+    assert _chi2_pvalue(samples, _exact_pair_probs(target, prompt, sp)) < 1e-6
