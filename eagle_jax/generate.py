@@ -237,6 +237,22 @@ class Generator:
         self.max_seq_len = max_seq_len or limit
         self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else cfg.eos_token_ids
         self.graphdef, self.state = nnx.split(model)
+        self._compiled: set[tuple] = set()
+
+    def compile(self, batch: int, prompt_len: int, cache_len: int, greedy_only: bool) -> None:
+        """Compile prefill and decode for one shape by running them once on dummy input,
+        so timings (and the first request) never include compilation."""
+        key = (batch, prompt_len, cache_len, greedy_only)
+        if key in self._compiled:
+            return
+        samp = SamplingArrays.build([], batch)
+        cache = KVCache.zeros(self.model.config, batch, cache_len, self.model.dtype)
+        ones = jnp.ones((batch,), jnp.int32)
+        nxt, cache = prefill_step(
+            self.graphdef, self.state, jnp.zeros((batch, prompt_len), jnp.int32), ones, cache, samp, greedy_only=greedy_only
+        )
+        decode_step(self.graphdef, self.state, nxt, ones, cache, samp, greedy_only=greedy_only)[0].block_until_ready()
+        self._compiled.add(key)
 
     def generate(
         self,
@@ -264,6 +280,7 @@ class Generator:
         ]
         greedy_only = all(sp.greedy for sp in params)
         samp = SamplingArrays.build(params, pb.batch)
+        self.compile(pb.batch, pb.prompt_len, pb.cache_len, greedy_only)
         cache = KVCache.zeros(self.model.config, pb.batch, pb.cache_len, self.model.dtype)
         t0 = time.perf_counter()
         nxt, cache = prefill_step(

@@ -277,6 +277,62 @@ def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens
     return h[jnp.arange(b), keep_row], cache
 
 
+def verify_tree(
+    target: LlamaModel, cache: KVCache, seq_lens: Int[Array, "B"], tree: Tree
+) -> tuple[Float[Array, "B T V"], Float[Array, "B T F"], KVCache]:
+    """Target forward over the tree tokens of every sequence (ancestor-only mask).
+
+    Writes the tree's KV at slots ``seq_len + t``; returns (logits, features, cache).
+    """
+    t = tree.tokens.shape[1]
+    slots = seq_lens[:, None] + jnp.arange(t)[None, :]
+    mask = verify_mask(seq_lens, tree_ancestor_mask(tree.parents), cache.max_len)
+    h, feats, cache = target(tree.tokens, seq_lens[:, None] + tree.depths, cache, slots, mask, return_features=True)
+    return target.logits(h), feats, cache
+
+
+def accept_tree(
+    logits: Float[Array, "B T V"],
+    tree: Tree,
+    seq_lens: Int[Array, "B"],
+    samp: SamplingArrays,
+    cfg: SpeculativeConfig,
+    *,
+    greedy_only: bool,
+    kernel_impl: str,
+):
+    """Greedy verification, or exact tree speculative sampling with per-row settings.
+
+    Returns ``(accept_index [B, S+1], accept_length [B], out_tokens [B, S+1])``.
+    """
+    if greedy_only:
+        return verify_greedy(
+            tree.tokens, tree.parents, jnp.argmax(logits, -1).astype(jnp.int32),
+            max_depth=cfg.num_steps, impl=kernel_impl,
+        )
+    b, t, v = logits.shape
+    rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731
+    # Greedy rows get one-hot probabilities, so sampling verification is exact for them too.
+    probs = target_probs(logits.reshape(b * t, v), rep(samp.temperature), rep(samp.top_k), rep(samp.top_p))
+    coin_key, bonus_key = _step_keys(samp, seq_lens)
+    # Coins in (0, 1]: a coin of exactly 0 would accept a zero-probability child.
+    coins = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (t,)))(coin_key)
+    bonus_u = jax.vmap(lambda k: jax.random.uniform(k, ()))(bonus_key)
+    return tree_speculative_sample(
+        tree.tokens, tree.parents, probs.reshape(b, t, v), coins, bonus_u,
+        max_depth=cfg.num_steps, threshold_single=cfg.threshold_single,
+        threshold_acc=cfg.threshold_acc, impl=kernel_impl,
+    )
+
+
+def commit_accepted(cache: KVCache, feats, seq_lens, accept_index, accept_length, cfg: SpeculativeConfig):
+    """Make the accepted path contiguous in the target cache (trees only) and gather the
+    target features of the accepted slots ``[B, S+1, F]`` for the draft extend."""
+    if not cfg.is_chain:
+        cache = _move_accepted_kv(cache, seq_lens, accept_index, accept_length)
+    return cache, jnp.take_along_axis(feats, jnp.maximum(accept_index, 0)[:, :, None], axis=1)
+
+
 def _step_keys(samp: SamplingArrays, seq_lens):
     """Per-row uniforms for this step, from the request's key at its position."""
     keys = position_keys(samp.key, seq_lens)
@@ -305,8 +361,6 @@ def speculative_step(
     """
     target: LlamaModel = nnx.merge(tgraph, tstate)
     draft: Eagle3Draft = nnx.merge(dgraph, dstate)
-    b = state.root.shape[0]
-    rows = jnp.arange(b)
     seq = state.seq_lens
     with jax.named_scope("draft"):
         tree, dcache = draft_tree(draft, state.draft_cache, state, cfg)
@@ -315,37 +369,11 @@ def speculative_step(
             noise_u = jax.vmap(lambda k: jax.random.uniform(k, (cfg.num_draft_tokens,)))(noise_key)
             tree = apply_oracle(tree, oracle, seq, noise_u, oracle_noise, target.config.vocab_size)
     with jax.named_scope("verify"):
-        t = cfg.num_draft_tokens
-        tmask = tree_ancestor_mask(tree.parents)
-        slots = seq[:, None] + jnp.arange(t)[None, :]
-        h, feats, tcache = target(
-            tree.tokens, seq[:, None] + tree.depths, state.target_cache, slots,
-            verify_mask(seq, tmask, state.target_cache.max_len), return_features=True,
-        )
-        logits = target.logits(h)  # [B, T, V]
+        logits, feats, tcache = verify_tree(target, state.target_cache, seq, tree)
     with jax.named_scope("accept"):
-        if greedy_only:
-            acc_index, acc_len, out = verify_greedy(
-                tree.tokens, tree.parents, jnp.argmax(logits, -1).astype(jnp.int32),
-                max_depth=cfg.num_steps, impl=kernel_impl,
-            )
-        else:
-            v = logits.shape[-1]
-            rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731
-            probs = target_probs(logits.reshape(b * t, v), rep(samp.temperature), rep(samp.top_k), rep(samp.top_p))
-            coin_key, bonus_key = _step_keys(samp, seq)
-            # Coins in (0, 1]: a coin of exactly 0 would accept a zero-probability child.
-            coins = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (t,)))(coin_key)
-            bonus_u = jax.vmap(lambda k: jax.random.uniform(k, ()))(bonus_key)
-            acc_index, acc_len, out = tree_speculative_sample(
-                tree.tokens, tree.parents, probs.reshape(b, t, v), coins, bonus_u,
-                max_depth=cfg.num_steps, threshold_single=cfg.threshold_single,
-                threshold_acc=cfg.threshold_acc, impl=kernel_impl,
-            )
+        acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=greedy_only, kernel_impl=kernel_impl)
     with jax.named_scope("commit"):
-        if not cfg.is_chain:
-            tcache = _move_accepted_kv(tcache, seq, acc_index, acc_len)
-        acc_feats = jnp.take_along_axis(feats, jnp.maximum(acc_index, 0)[:, :, None], axis=1)  # [B, S+1, F]
+        tcache, acc_feats = commit_accepted(tcache, feats, seq, acc_index, acc_len, cfg)
     with jax.named_scope("draft_extend"):
         g, dcache = _draft_extend(draft, dcache, out, acc_feats, seq, acc_len - 1)
     new_state = SpecState(
@@ -353,7 +381,7 @@ def speculative_step(
         draft_cache=dcache,
         # Finished rows keep running until the batch ends; clamp keeps their writes in range.
         seq_lens=jnp.minimum(seq + acc_len, max_seq_len),
-        root=out[rows, acc_len - 1],
+        root=out[jnp.arange(out.shape[0]), acc_len - 1],
         draft_hidden=g,
     )
     return new_state, out, acc_len
@@ -467,6 +495,22 @@ class SpeculativeGenerator:
         self.tgraph, self.tstate = nnx.split(target)
         self.dgraph, self.dstate = nnx.split(draft)
         self.draft_width = spec.num_draft_tokens if spec is not None else 1
+        self._compiled: set[tuple] = set()
+
+    def compile(self, batch: int, prompt_len: int, cache_len: int, greedy_only: bool, with_oracle: bool = False) -> None:
+        """Compile prefill and the step for one shape by running them once on dummy input."""
+        key = (batch, prompt_len, cache_len, greedy_only, with_oracle)
+        if key in self._compiled:
+            return
+        samp = SamplingArrays.build([], batch)
+        state = new_state(self.target, self.draft, self.spec or SpeculativeConfig(num_steps=1), batch, cache_len)
+        state, _ = spec_prefill(
+            self.tgraph, self.tstate, self.dgraph, self.dstate, state, jnp.zeros((batch, prompt_len), jnp.int32),
+            jnp.ones((batch,), jnp.int32), samp, greedy_only=greedy_only,
+        )
+        oracle = jnp.zeros((batch, cache_len + self.draft_width), jnp.int32) if with_oracle else None
+        self.step(state, samp, greedy_only, cache_len, oracle)[1].block_until_ready()
+        self._compiled.add(key)
 
     def step(self, state, samp, greedy_only, max_seq_len, oracle=None, oracle_noise=0.0):
         if self.spec is None:
@@ -519,6 +563,7 @@ class SpeculativeGenerator:
         accepts: list[list[int]] = [[] for _ in reqs]
         greedy_only = all(sp.greedy for sp in params)
         samp = SamplingArrays.build(params, b)
+        self.compile(b, pb.prompt_len, pb.cache_len, greedy_only, oracle is not None)
         state = new_state(self.target, self.draft, self.spec or SpeculativeConfig(num_steps=1), b, pb.cache_len)
         ref = None
         if oracle is not None:

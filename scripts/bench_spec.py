@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Cost of a speculative step on SmolLM2 (float32), and the break-even accept length.
+
+For batch 1 and 8, prints: the time of a plain decode step; the time of one
+speculative step for chain and tree configs, split into draft / verify / accept+commit /
+draft extend (each phase jitted alone on the same shapes); and their ratio, the
+break-even accept length: the mean accept length a draft must reach for speculation to
+pay. Then checks it against reality: with a random draft (accept length ~1) the
+measured slowdown of speculative over plain generation should match the ratio.
+Saves the figures to results/bench_spec.json.
+
+    python scripts/bench_spec.py [--model DIR] [--batches 1 8] [--draft-vocab 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.cli import default_model_dir
+from eagle_jax.generate import Buckets, Generator, decode_step
+from eagle_jax.model import KVCache
+from eagle_jax.sampling import SamplingArrays, SamplingParams
+from eagle_jax.speculative import (
+    SpeculativeConfig,
+    SpeculativeGenerator,
+    SpecState,
+    _draft_extend,
+    accept_tree,
+    commit_accepted,
+    draft_tree,
+    new_state,
+    spec_prefill,
+    speculative_step,
+    verify_tree,
+)
+from eagle_jax.tokenizer import Tokenizer
+
+CONFIGS = [
+    SpeculativeConfig(num_steps=1),
+    SpeculativeConfig(num_steps=3),
+    SpeculativeConfig(num_steps=5),
+    SpeculativeConfig(num_steps=3, topk=4, num_draft_tokens=8),
+    SpeculativeConfig(num_steps=5, topk=4, num_draft_tokens=16),
+    SpeculativeConfig(num_steps=6, topk=10, num_draft_tokens=60),
+]
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
+    "List three uses of Python.", "Why do cats purr?", "How does a bicycle stay upright?",
+    "Give me a short recipe for pancakes.", "What is a prime number?",
+]
+PROMPT_LEN, CACHE_LEN = 64, 256
+
+
+def name(c: SpeculativeConfig) -> str:
+    return f"chain S={c.num_steps}" if c.is_chain else f"tree S={c.num_steps} k={c.topk} T={c.num_draft_tokens}"
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (which must block) in ms, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def plain_step_ms(target, b, prompts, repeats):
+    graph, state = nnx.split(target)
+    samp = SamplingArrays.build([SamplingParams()] * b, b)
+    holder = {"cache": KVCache.zeros(target.config, b, CACHE_LEN), "tok": jnp.zeros((b,), jnp.int32)}
+    seq = jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+    def run():
+        tok, _, holder["cache"] = decode_step(graph, state, holder["tok"], seq, holder["cache"], samp, greedy_only=True)
+        tok.block_until_ready()
+
+    return median_ms(run, repeats)
+
+
+def spec_ms(target, draft, cfg, b, prompts, repeats):
+    """(full step ms, {phase: ms}) on a state prefilled with real prompts."""
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(draft)
+    samp = SamplingArrays.build([SamplingParams()] * b, b)
+    tokens = np.zeros((b, PROMPT_LEN), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    state, _ = spec_prefill(tg, ts, dg, ds, new_state(target, draft, cfg, b, CACHE_LEN), jnp.asarray(tokens), lengths, samp, greedy_only=True)
+    seq0_np = np.asarray(state.seq_lens)
+    holder = {"state": state}
+
+    def full():
+        # Reset the lengths each call so every timed step sees the same context.
+        st = holder["state"]
+        st.seq_lens = jnp.asarray(seq0_np)
+        holder["state"], out, _ = speculative_step(tg, ts, dg, ds, st, samp, cfg=cfg, greedy_only=True, max_seq_len=CACHE_LEN)
+        out.block_until_ready()
+
+    step = median_ms(full, repeats)
+    st = holder["state"]
+    seq0 = jnp.asarray(seq0_np)
+    # The drafting phase reads only the lengths, root and hidden; the caches travel apart.
+    lite = SpecState(None, None, seq0, st.root, st.draft_hidden)
+
+    # Each phase alone, jitted on the same shapes, its inputs produced by the earlier phase.
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def j_draft(ds, dcache, st):
+        return draft_tree(nnx.merge(dg, ds), dcache, st, cfg)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def j_verify(ts, tcache, seq, tree):
+        return verify_tree(nnx.merge(tg, ts), tcache, seq, tree)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def j_accept_commit(logits, tree, seq, tcache, feats):
+        acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=True, kernel_impl="auto")
+        tcache, acc_feats = commit_accepted(tcache, feats, seq, acc_index, acc_len, cfg)
+        return tcache, acc_feats, out, acc_len
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def j_extend(ds, dcache, out, acc_feats, seq, acc_len):
+        return _draft_extend(nnx.merge(dg, ds), dcache, out, acc_feats, seq, acc_len - 1)
+
+    h = {"d": st.draft_cache, "t": st.target_cache}
+    tree, h["d"] = j_draft(ds, h["d"], lite)
+    logits, feats, h["t"] = j_verify(ts, h["t"], seq0, tree)
+    h["t"], acc_feats, out, acc_len = j_accept_commit(logits, tree, seq0, h["t"], feats)
+
+    def p_draft():
+        tr, h["d"] = j_draft(ds, h["d"], lite)
+        tr.tokens.block_until_ready()
+
+    def p_verify():
+        lg, _, h["t"] = j_verify(ts, h["t"], seq0, tree)
+        lg.block_until_ready()
+
+    def p_accept():
+        h["t"], _, o, _ = j_accept_commit(logits, tree, seq0, h["t"], feats)
+        o.block_until_ready()
+
+    def p_extend():
+        g, h["d"] = j_extend(ds, h["d"], out, acc_feats, seq0, acc_len)
+        g.block_until_ready()
+
+    phases = {k: median_ms(f, repeats) for k, f in [("draft", p_draft), ("verify", p_verify), ("accept_commit", p_accept), ("draft_extend", p_extend)]}
+    return step, phases
+
+
+def random_draft_slowdown(target, draft, tok, cfg, prompts, new_tokens):
+    """Measured plain/speculative generate throughput with a (useless) random draft."""
+    buckets = Buckets(batch=(len(prompts),), prompt=(PROMPT_LEN,), cache=(CACHE_LEN,))
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    plain = Generator(target, tok, buckets=buckets)
+    spec = SpeculativeGenerator(target, draft, cfg, tok, buckets=buckets)
+    rates = {}
+    for label, gen in (("plain", plain), ("spec", spec)):
+        gen.generate(prompts, sp)  # compile + warm
+        runs = []
+        for _ in range(3):
+            t = time.perf_counter()
+            out = gen.generate(prompts, sp)
+            runs.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t))
+        rates[label] = statistics.median(runs)
+        if label == "spec":
+            rates["mean_accept"] = float(np.mean([a for c in out for a in c.accept_lengths]))
+    return rates
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary of the random draft")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))), help="indices into CONFIGS")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_spec.json"))
+    args = ap.parse_args()
+    model_dir = args.model or default_model_dir()
+    tok = Tokenizer.from_dir(model_dir)
+    target = load_model(model_dir, dtype="float32")
+    draft = random_draft(target.config, seed=0, draft_vocab_size=args.draft_vocab)
+    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in QUESTIONS]
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M float32; "
+          f"random draft, draft vocab {args.draft_vocab}; context {CACHE_LEN}; medians of {args.repeats}")
+    results = []
+    for b in args.batches:
+        prompts = [chat[i % len(chat)] for i in range(b)]
+        plain = plain_step_ms(target, b, prompts, args.repeats)
+        print(f"\nbatch {b}: plain decode step {plain:.2f} ms")
+        print(f"  {'config':<24}{'step ms':>9}{'draft':>8}{'verify':>8}{'acc+com':>8}{'extend':>8}{'break-even':>12}")
+        for ci in args.configs:
+            cfg = CONFIGS[ci]
+            step, ph = spec_ms(target, draft, cfg, b, prompts, args.repeats)
+            be = step / plain
+            print(f"  {name(cfg):<24}{step:>9.2f}{ph['draft']:>8.2f}{ph['verify']:>8.2f}{ph['accept_commit']:>8.2f}{ph['draft_extend']:>8.2f}{be:>12.2f}")
+            results.append({"batch": b, "config": name(cfg), "plain_step_ms": plain, "spec_step_ms": step, "phases_ms": ph, "break_even_accept_length": be})
+        cfg = SpeculativeConfig(num_steps=5)
+        r = random_draft_slowdown(target, draft, tok, cfg, prompts, args.new_tokens)
+        slowdown = r["plain"] / r["spec"]
+        be = next(x["break_even_accept_length"] for x in results if x["batch"] == b and x["config"] == name(cfg)) if any(
+            x["batch"] == b and x["config"] == name(cfg) for x in results) else float("nan")
+        print(f"  random draft, {name(cfg)}: plain {r['plain']:.1f} tok/s, speculative {r['spec']:.1f} tok/s "
+              f"(mean accept {r['mean_accept']:.3f}): slowdown {slowdown:.2f}x vs predicted {be / r['mean_accept']:.2f}x")
+        results.append({"batch": b, "random_draft_check": name(cfg), **r, "slowdown": slowdown, "predicted": be / r["mean_accept"]})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"jax": jax.__version__, "draft_vocab": args.draft_vocab, "context": CACHE_LEN, "results": results}, indent=2))
+    print(f"\nsaved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
