@@ -97,11 +97,16 @@ def filter_logits(
     """Temperature, then top-k, then top-p (nucleus) filtering; removed tokens get -inf.
 
     Rows with temperature 0 are returned scaled by 1 (callers take their argmax).
-    Ties at a cut-off keep every tied token, as Hugging Face's warpers do.
+    Ties at a cut-off keep every tied token, as Hugging Face's warpers do. The sort that
+    top-k/top-p need runs only when some row asks for them.
     """
-    v = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     x = logits.astype(jnp.float32) / t
+    return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _top_k_top_p, lambda x, k, p: x, x, top_k, top_p)
+
+
+def _top_k_top_p(x: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"]) -> Float[Array, "B V"]:
+    v = x.shape[-1]
     desc = -jnp.sort(-x, axis=-1)  # [B, V] descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
     kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # [B, 1]
@@ -133,6 +138,27 @@ def position_keys(key: UInt32[Array, "B 2"], positions: Int[Array, "B"]) -> UInt
     return jax.vmap(jax.random.fold_in)(key, positions)
 
 
+def position_uniforms(key: UInt32[Array, "B 2"], positions: Int[Array, "B ..."]) -> Float[Array, "B ..."]:
+    """The uniform in [0, 1) that picks the token at each position of a row.
+
+    Plain decoding and speculative verification draw a position's token with the same
+    uniform, so a request's sampled text does not depend on whether, or how far,
+    speculation ran (see ``speculative.accept_tree``).
+    """
+    flat = positions.reshape(positions.shape[0], -1)
+    per_row = lambda k, ps: jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(k, p), ()))(ps)  # noqa: E731
+    return jax.vmap(per_row)(key, flat).reshape(positions.shape)
+
+
+def inverse_cdf_sample(probs: Float[Array, "N V"], u: Float[Array, "N"]) -> Int[Array, "N"]:
+    """The first token whose cumulative probability exceeds ``u`` (renormalised)."""
+    cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
+    idx = jnp.sum(cdf <= u[:, None] * cdf[:, -1:], axis=-1)
+    # Rounding can leave u * total at the very top: fall back to the last possible token.
+    last = probs.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(idx, last).astype(jnp.int32)
+
+
 def sample_tokens(
     logits: Float[Array, "B V"],
     s: SamplingArrays,
@@ -144,7 +170,6 @@ def sample_tokens(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
         return greedy
-    filtered = filter_logits(logits, s.temperature, s.top_k, s.top_p)
-    keys = position_keys(s.key, positions)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    probs = jax.nn.softmax(filter_logits(logits, s.temperature, s.top_k, s.top_p), axis=-1)
+    sampled = inverse_cdf_sample(probs, position_uniforms(s.key, positions))
     return jnp.where(s.temperature > 0, sampled, greedy)

@@ -45,10 +45,28 @@ from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.generate import Buckets, PaddedBatch, RequestProgress, check_prompt, normalize_params
 from eagle_jax.model import KVCache, LlamaModel
-from eagle_jax.sampling import SamplingArrays, SamplingParams, position_keys, sample_tokens, target_probs
+from eagle_jax.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    inverse_cdf_sample,
+    position_keys,
+    position_uniforms,
+    sample_tokens,
+    target_probs,
+)
 from pallas_kernels.tree import tree_ancestor_mask, tree_links
 from pallas_kernels.verify_greedy import verify_greedy
 from pallas_kernels.verify_sampling import tree_speculative_sample
+
+
+# How sampled (temperature > 0) requests are verified; both are exact at thresholds 1.
+#  "coupled": each tree slot's next token is drawn from the target with the uniform of its
+#    position (the one plain decoding would use) and the tree is walked as in greedy
+#    verification against those draws. Lossless by construction, and a request's output
+#    is the same with or without speculation, at any batch size.
+#  "rejection": SGLang's tree speculative sampling (the Pallas kernel), with its
+#    threshold_single / threshold_acc relaxations.
+SAMPLING_VERIFY = ("coupled", "rejection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +74,9 @@ class SpeculativeConfig:
     """Draft shape: ``num_steps`` S (tree depth), ``topk`` k, ``num_draft_tokens`` T.
 
     A chain is ``topk == 1`` and forces ``T = S + 1``. A tree keeps the T-1 best of
-    ``k + (S-1) k^2`` scored nodes plus the root. ``threshold_single``/``threshold_acc``
-    are SGLang's relaxations of sampling verification; 1.0 (the default) is exact.
+    ``k + (S-1) k^2`` scored nodes plus the root. ``sampling_verify`` picks how sampled
+    requests are verified (``SAMPLING_VERIFY``); ``threshold_single``/``threshold_acc``
+    are SGLang's relaxations of its rejection sampling; 1.0 (the default) is exact.
     """
 
     num_steps: int = 5
@@ -65,8 +84,16 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
+    sampling_verify: str = "coupled"
 
     def __post_init__(self):
+        if self.sampling_verify not in SAMPLING_VERIFY:
+            raise ConfigError(f"sampling_verify={self.sampling_verify!r}; valid: {', '.join(SAMPLING_VERIFY)}")
+        if self.sampling_verify == "coupled" and (self.threshold_single != 1 or self.threshold_acc != 1):
+            raise ConfigError(
+                f"threshold_single={self.threshold_single}, threshold_acc={self.threshold_acc}: the thresholds "
+                "relax SGLang's rejection sampling; set sampling_verify='rejection' to use them"
+            )
         if not isinstance(self.num_steps, int) or self.num_steps < 1:
             raise ConfigError(f"num_steps={self.num_steps!r} must be an integer >= 1")
         if not isinstance(self.topk, int) or self.topk < 1:
@@ -314,6 +341,11 @@ def accept_tree(
     rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731
     # Greedy rows get one-hot probabilities, so sampling verification is exact for them too.
     probs = target_probs(logits.reshape(b * t, v), rep(samp.temperature), rep(samp.top_k), rep(samp.top_p))
+    if cfg.sampling_verify == "coupled":
+        # The token after slot t sits at position seq_len + depth(t) + 1.
+        u = position_uniforms(samp.key, seq_lens[:, None] + tree.depths + 1)  # [B, T]
+        draws = inverse_cdf_sample(probs, u.reshape(-1)).reshape(b, t)
+        return verify_greedy(tree.tokens, tree.parents, draws, max_depth=cfg.num_steps, impl=kernel_impl)
     coin_key, bonus_key = _step_keys(samp, seq_lens)
     # Coins in (0, 1]: a coin of exactly 0 would accept a zero-probability child.
     coins = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (t,)))(coin_key)

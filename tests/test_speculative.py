@@ -121,8 +121,10 @@ def test_plain_mode_keeps_output(target, draft, prompts, reference):
         (dict(num_steps=3, num_draft_tokens=5), "num_draft_tokens"),
         (dict(num_steps=3, topk=4), "num_draft_tokens"),
         (dict(num_steps=2, topk=2, num_draft_tokens=8), "num_draft_tokens"),
-        (dict(threshold_acc=0.0), "threshold_acc"),
-        (dict(threshold_single=1.5), "threshold_single"),
+        (dict(threshold_acc=0.0, sampling_verify="rejection"), "threshold_acc"),
+        (dict(threshold_single=1.5, sampling_verify="rejection"), "threshold_single"),
+        (dict(threshold_acc=0.5), "sampling_verify='rejection'"),
+        (dict(sampling_verify="typical"), "sampling_verify"),
     ],
 )
 def test_invalid_speculative_config(kwargs, field):
@@ -187,6 +189,7 @@ def _exact_pair_probs(target, prompt, sp):
 
 
 def _spec_samples(target, draft, cfg, sp_base, n_rows):
+    """First three sampled tokens of ``n_rows`` seeds (token 1 from prefill, 2-3 speculated)."""
     buckets = Buckets(batch=(n_rows,), prompt=(8,), cache=(32,))
     gen = SpeculativeGenerator(target, draft, cfg, buckets=buckets)
     prompt = [1, 5, 2, 7]
@@ -210,8 +213,13 @@ def _chi2_pvalue(samples, joint):
 
 @pytest.mark.parametrize(
     "cfg",
-    [SpeculativeConfig(num_steps=2), SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6)],
-    ids=_cfg_id,
+    [
+        SpeculativeConfig(num_steps=2),
+        SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6),
+        SpeculativeConfig(num_steps=2, sampling_verify="rejection"),
+        SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6, sampling_verify="rejection"),
+    ],
+    ids=lambda c: f"{_cfg_id(c)}-{c.sampling_verify}",
 )
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)], ids=["t1", "t0.8k5p0.9"])
 def test_sampling_matches_target_distribution(small_vocab, cfg, sp):
@@ -226,6 +234,27 @@ def test_biased_thresholds_fail_the_same_test(small_vocab):
     """threshold_acc < 1 relaxes acceptance (SGLang): the chi-square test must catch it."""
     target, draft = small_vocab
     sp = SamplingParams(temperature=1.0)
-    cfg = SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6, threshold_acc=0.2, threshold_single=0.2)
+    cfg = SpeculativeConfig(
+        num_steps=2, topk=3, num_draft_tokens=6, threshold_acc=0.2, threshold_single=0.2, sampling_verify="rejection"
+    )
     prompt, samples = _spec_samples(target, draft, cfg, sp, 4096)
     assert _chi2_pvalue(samples, _exact_pair_probs(target, prompt, sp)) < 1e-6
+
+
+def test_coupled_sampling_equals_plain_sampling(target, draft, prompts):
+    """With coupled verification a seeded request samples the same tokens with or without
+    speculation, at any batch size and in any batch company."""
+    sp = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_new_tokens=40, ignore_eos=True) for i in range(8)]
+    plain = Generator(target, buckets=BUCKETS).generate(prompts, sp)
+    # The oracle proposes the plain run's own samples (20% made wrong), so most drafts
+    # are accepted: the accepted path, not just bonus tokens, must reproduce them.
+    oracle = [p + c.token_ids for p, c in zip(prompts, plain)]
+    for cfg in (CHAINS[2], TREES[0]):
+        gen = SpeculativeGenerator(target, draft, cfg, buckets=BUCKETS)
+        together = gen.generate(prompts, sp, oracle=oracle, oracle_noise=0.2)
+        alone = gen.generate(prompts[3:4], sp[3:4])
+        assert [c.token_ids for c in together] == [c.token_ids for c in plain]
+        assert alone[0].token_ids == plain[3].token_ids
+        assert np.mean([a for c in together for a in c.accept_lengths]) > 1.5
+    # Different seeds do give different samples (the check above is not vacuous).
+    assert len({tuple(c.token_ids) for c in plain}) == len(plain)
