@@ -1,4 +1,4 @@
-"""The ``eagle-jax`` command line: ``generate`` and ``import-gguf``.
+"""The ``eagle-jax`` command line: ``generate``, ``import-gguf`` and ``doctor``.
 
 Errors that are the user's to fix (bad input, bad checkpoint) print one ``error:`` line
 and exit with status 2; anything else is a bug and keeps its traceback.
@@ -16,6 +16,7 @@ from pathlib import Path
 from eagle_jax.errors import EagleJaxError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_DRAFT_NAME = "smollm2-135m-instruct-eagle3"
 
 
 def default_model_dir() -> Path:
@@ -54,7 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0, help="per-request seed (request i of a file uses seed + i)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--batch-size", type=_positive_int, default=8, help="requests decoded together")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help="requests decoded together (more are queued)")
+    g.add_argument("--draft", type=Path, default=None, help=f"EAGLE-3 draft directory (default: checkpoints/{DEFAULT_DRAFT_NAME} when it exists)")
+    g.add_argument("--steps", type=_positive_int, default=5, help="draft steps S (tree depth)")
+    g.add_argument("--topk", type=_positive_int, default=1, help="draft branching k (1 = chain)")
+    g.add_argument("--draft-tokens", type=_positive_int, default=None, help="tokens verified per step T (chain: S+1)")
+    g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
+    g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
+                   help="switch speculation off while the padded batch is larger than N")
     g.add_argument("--max-seq-len", type=_positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--output", type=Path, default=None, help="write one JSON object per prompt to this JSONL file")
@@ -65,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("outdir", type=Path, help="output directory (config.json, model.safetensors, tokenizer files)")
     i.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     i.set_defaults(func=cmd_import_gguf)
+
+    from eagle_jax import doctor
+
+    doctor.add_parser(sub)
     return p
 
 
@@ -80,13 +92,33 @@ def _load_records(args):
     return [PromptRecord(0, prompt=args.prompt)]
 
 
-def cmd_generate(args) -> int:
-    import numpy as np  # noqa: F401  (heavy imports stay out of --help)
+def default_draft_dir() -> Path:
+    """The released draft for the default model ($EAGLE_JAX_DRAFT overrides)."""
+    env = os.environ.get("EAGLE_JAX_DRAFT")
+    if env:
+        return Path(env)
+    return default_model_dir().parent / DEFAULT_DRAFT_NAME
 
-    from eagle_jax.checkpoint.hf import load_model
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _enable_compilation_cache() -> None:
+    """Reuse compiled graphs across runs (start-up compiles every bucket)."""
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))
+
+
+def cmd_generate(args) -> int:
+    from eagle_jax.config import ModelConfig
+    from eagle_jax.engine import Engine, EngineConfig
     from eagle_jax.errors import InputError
-    from eagle_jax.generate import Buckets, Generator
     from eagle_jax.sampling import SamplingParams
+    from eagle_jax.speculative import SpeculativeConfig
     from eagle_jax.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
@@ -101,6 +133,18 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         stop_strings=tuple(args.stop),
     )
+    spec = None
+    draft_dir = None
+    if not args.no_speculation:
+        draft_dir = args.draft or (default_draft_dir() if args.model is None else None)
+        if draft_dir is not None and not draft_dir.is_dir():
+            if args.draft is not None:
+                raise InputError(f"draft directory {draft_dir} not found")
+            draft_dir = None
+        if draft_dir is None:
+            print("note: no draft (pass --draft DIR); decoding without speculation", file=sys.stderr)
+        else:
+            spec = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
     tok = Tokenizer.from_dir(model_dir)
     prompts = []
     for r in records:
@@ -110,49 +154,59 @@ def cmd_generate(args) -> int:
             text = r.prompt
         # The chat template already holds BOS where the model wants it.
         prompts.append(tok.encode(text, add_special_tokens=r.messages is None))
-    model = load_model(model_dir, dtype=args.dtype)
-    batches = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.batch_size) + (args.batch_size,)
-    gen = Generator(model, tok, buckets=Buckets(batch=batches), max_seq_len=args.max_seq_len)
-    params = [
-        SamplingParams(**{**base.__dict__, "seed": (base.seed + i) % 2**32}) for i in range(len(records))
-    ]
-    stream = args.output is None
-    on_text = None
-    if stream:
-        multi = len(records) > 1
-
-        def on_text(index, delta):
-            if not multi:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-
-    completions = gen.generate(prompts, params, on_text=on_text)
-    if stream:
-        if len(records) > 1:
-            for r, c in zip(records, completions):
-                print(f"--- {r.id} ({c.finish_reason}, {c.tokens_per_second:.1f} tok/s)\n{c.text}")
-        else:
-            print()
-            c = completions[0]
-            print(f"[{len(c.token_ids)} tokens, {c.finish_reason}, {c.tokens_per_second:.1f} tok/s]", file=sys.stderr)
+    # Compile only the shapes this run needs: buckets up to the batch and the longest prompt.
+    context = ModelConfig.from_dir(model_dir).max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    max_seq_len = args.max_seq_len or min(context, _pow2_at_least(longest + args.max_new_tokens))
+    if longest >= max_seq_len:
+        raise InputError(
+            f"a prompt has {longest} tokens; the context holds {max_seq_len} (max_seq_len), leaving no room for a new token"
+        )
+    batch = min(args.batch_size, len(prompts))
+    threshold = args.spec_disable_batch_threshold if spec is not None else None
+    config = EngineConfig(
+        max_batch=batch,
+        max_seq_len=max_seq_len,
+        batch_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch) + (batch,),
+        prompt_buckets=(min(_pow2_at_least(longest), max_seq_len), max_seq_len) if _pow2_at_least(longest) < max_seq_len else (max_seq_len,),
+        dtype=args.dtype,
+        speculative=spec,
+        spec_disable_batch_threshold=threshold,
+    )
+    _enable_compilation_cache()
+    engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
+    params = [SamplingParams(**{**base.__dict__, "seed": (base.seed + i) % 2**32}) for i in range(len(records))]
+    if args.output is None and len(records) == 1:
+        for delta in engine.stream(prompts[0], params[0]):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        print()
+        summary = engine.metrics.summary()
+        print(
+            f"[{summary['tokens']} tokens, {summary['tokens_per_second']:.1f} tok/s"
+            + (f", mean accept length {summary['mean_accept_length']:.2f}" if spec is not None else "") + "]",
+            file=sys.stderr,
+        )
+        return 0
+    completions = engine.generate(prompts, params)
+    if args.output is None:
+        for r, c in zip(records, completions):
+            print(f"--- {r.id} ({c.finish_reason}, {c.tokens_per_second:.1f} tok/s)\n{c.text}")
         return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as f:
         for r, p, c in zip(records, prompts, completions):
-            f.write(
-                json.dumps(
-                    {
-                        "id": r.id,
-                        "prompt_token_ids": p,
-                        "token_ids": c.token_ids,
-                        "text": c.text,
-                        "finish_reason": c.finish_reason,
-                        "tokens_per_second": round(c.tokens_per_second, 3),
-                    },
-                    ensure_ascii=False,
-                )
-                + "\n"
-            )
+            row = {
+                "id": r.id,
+                "prompt_token_ids": p,
+                "token_ids": c.token_ids,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "tokens_per_second": round(c.tokens_per_second, 3),
+                "accept_lengths": c.accept_lengths,
+                "mean_accept_length": round(c.mean_accept_length, 4),
+            }
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     print(f"wrote {len(completions)} completions to {args.output}", file=sys.stderr)
     return 0
 
@@ -168,6 +222,8 @@ def cmd_import_gguf(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Start-up lines (what was loaded, what is compiled, what speculation does) always show.
+    logging.getLogger("eagle_jax").setLevel(logging.INFO)
     try:
         return args.func(args)
     except EagleJaxError as e:

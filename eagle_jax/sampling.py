@@ -76,16 +76,16 @@ class SamplingArrays:
     @staticmethod
     def build(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
         """Arrays for ``params`` padded to ``batch`` rows."""
-        n = len(params)
         temp = np.zeros(batch, np.float32)
         top_k = np.zeros(batch, np.int32)
         top_p = np.ones(batch, np.float32)
         key = np.zeros((batch, 2), np.uint32)
         for i, p in enumerate(params):
             temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            key[i] = np.asarray(jax.random.PRNGKey(p.seed))
-        del n
-        return SamplingArrays(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(key))
+            # = jax.random.PRNGKey(seed) for the threefry PRNG, built on the host so that
+            # adding a request compiles nothing.
+            key[i] = (0, p.seed)
+        return SamplingArrays(*jax.device_put((temp, top_k, top_p, key)))
 
 
 def filter_logits(

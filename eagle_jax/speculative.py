@@ -375,21 +375,22 @@ def _step_keys(samp: SamplingArrays, seq_lens):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("tgraph", "dgraph", "cfg", "greedy_only", "max_seq_len", "kernel_impl", "oracle_noise"),
+    static_argnames=("tgraph", "dgraph", "cfg", "greedy_only", "max_seq_len", "kernel_impl", "oracle_noise", "check_finite"),
     donate_argnames=("state",),
 )
 def speculative_step(
     tgraph, tstate, dgraph, dstate, state: SpecState, samp: SamplingArrays, oracle=None, *,
     cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto",
-    oracle_noise: float = 0.0,
+    oracle_noise: float = 0.0, check_finite: bool = False,
 ):
     """One speculative step: draft, verify, accept, commit, draft extend.
 
     ``oracle`` (``[B, L]``, optional): reference sequences that replace the draft's
     proposals (see ``apply_oracle``), for measuring the machinery at a chosen acceptance.
 
-    Returns ``(state, out_tokens [B, S+1] (-1 padded), accept_length [B])``; the emitted
-    tokens of row b are ``out_tokens[b, :accept_length[b]]``.
+    Returns ``(state, out_tokens [B, S+1] (-1 padded), accept_length [B], finite)``; the
+    emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
+    only with ``check_finite``) says whether the row's verify logits were all finite.
     """
     target: LlamaModel = nnx.merge(tgraph, tstate)
     draft: Eagle3Draft = nnx.merge(dgraph, dstate)
@@ -416,46 +417,59 @@ def speculative_step(
         root=out[jnp.arange(out.shape[0]), acc_len - 1],
         draft_hidden=g,
     )
-    return new_state, out, acc_len
+    return new_state, out, acc_len, _finite_rows(logits) if check_finite else None
 
 
 @functools.partial(
-    jax.jit, static_argnames=("tgraph", "dgraph", "greedy_only", "max_seq_len"), donate_argnames=("state",)
+    jax.jit, static_argnames=("tgraph", "dgraph", "greedy_only", "max_seq_len", "check_finite"), donate_argnames=("state",)
 )
-def plain_step(tgraph, tstate, dgraph, dstate, state: SpecState, samp: SamplingArrays, *, greedy_only: bool, max_seq_len: int):
-    """A non-speculative step that keeps the draft in sync (1-token draft extend).
+def plain_step(
+    tgraph, tstate, dgraph, dstate, state: SpecState, samp: SamplingArrays, *,
+    greedy_only: bool, max_seq_len: int, check_finite: bool = False,
+):
+    """A non-speculative step; with a draft (``dgraph`` not None) it keeps the draft in
+    sync by a 1-token draft extend, so speculation can resume without losing acceptance.
 
-    Returns ``(state, out_tokens [B, 1], accept_length [B] = 1)``.
+    Returns ``(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)``.
     """
     target: LlamaModel = nnx.merge(tgraph, tstate)
-    draft: Eagle3Draft = nnx.merge(dgraph, dstate)
     seq = state.seq_lens
     pos = seq[:, None]
     h, feats, tcache = target(
         state.root[:, None], pos, state.target_cache, pos,
-        prefix_causal_mask(seq, 1, state.target_cache.max_len), return_features=True,
+        prefix_causal_mask(seq, 1, state.target_cache.max_len), return_features=dgraph is not None,
     )
-    nxt = sample_tokens(target.logits(h[:, 0]), samp, seq + 1, greedy_only=greedy_only)
-    g, dcache = _draft_extend(draft, state.draft_cache, nxt[:, None], feats, seq, jnp.zeros_like(seq))
-    ones = jnp.ones_like(seq)
+    logits = target.logits(h[:, 0])
+    nxt = sample_tokens(logits, samp, seq + 1, greedy_only=greedy_only)
+    g, dcache = None, None
+    if dgraph is not None:
+        draft: Eagle3Draft = nnx.merge(dgraph, dstate)
+        g, dcache = _draft_extend(draft, state.draft_cache, nxt[:, None], feats, seq, jnp.zeros_like(seq))
     new_state = SpecState(tcache, dcache, jnp.minimum(seq + 1, max_seq_len), nxt, g)
-    return new_state, nxt[:, None], ones
+    return new_state, nxt[:, None], jnp.ones_like(seq), _finite_rows(logits) if check_finite else None
+
+
+def _finite_rows(logits: Float[Array, "B ... V"]) -> Bool[Array, "B"]:
+    return jnp.all(jnp.isfinite(logits).reshape(logits.shape[0], -1), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "greedy_only"), donate_argnames=("state",))
 def spec_prefill(tgraph, tstate, dgraph, dstate, state: SpecState, tokens, lengths, samp: SamplingArrays, *, greedy_only: bool):
-    """Prefill both models; ``state`` holds zeroed caches. Returns (state, first token [B])."""
+    """Prefill the target and (when ``dgraph`` is not None) the draft; ``state`` holds
+    zeroed caches. Returns (state, first token [B])."""
     target: LlamaModel = nnx.merge(tgraph, tstate)
-    draft: Eagle3Draft = nnx.merge(dgraph, dstate)
     b, p = tokens.shape
     rows = jnp.arange(b)
     zeros = jnp.zeros((b,), jnp.int32)
     h, feats, tcache = target(
         tokens, jnp.broadcast_to(jnp.arange(p), (b, p)), state.target_cache,
         jnp.broadcast_to(jnp.arange(p), (b, p)), prefix_causal_mask(zeros, p, state.target_cache.max_len),
-        return_features=True,
+        return_features=dgraph is not None,
     )
     first = sample_tokens(target.logits(h[rows, lengths - 1]), samp, lengths, greedy_only=greedy_only)
+    if dgraph is None:
+        return SpecState(tcache, None, lengths, first, None), first
+    draft: Eagle3Draft = nnx.merge(dgraph, dstate)
     # Draft pairs f_p with x_{p+1}: shift the prompt left and put the new token at len-1.
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     shifted = shifted.at[rows, lengths - 1].set(first)
@@ -480,18 +494,17 @@ class SpecCompletion:
         return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
 
 
-def new_state(target: LlamaModel, draft: Eagle3Draft, cfg: SpeculativeConfig, batch: int, max_seq_len: int) -> SpecState:
+def new_state(target: LlamaModel, draft: Eagle3Draft | None, cfg: SpeculativeConfig, batch: int, max_seq_len: int) -> SpecState:
     """Zeroed state: target cache with room for one tree past ``max_seq_len``, draft cache
-    with room for the drafting scratch slots too."""
+    with room for the drafting scratch slots too (no draft: no draft fields)."""
     t_len = max_seq_len + cfg.num_draft_tokens
     d_len = max_seq_len + max(cfg.num_draft_tokens, cfg.max_accept, cfg.scratch_slots + 1)
-    h = draft.config.hidden_size
     return SpecState(
         target_cache=KVCache.zeros(target.config, batch, t_len, target.dtype),
-        draft_cache=KVCache.zeros(draft.config.layer_config, batch, d_len, target.dtype),
+        draft_cache=None if draft is None else KVCache.zeros(draft.config.layer_config, batch, d_len, target.dtype),
         seq_lens=jnp.zeros((batch,), jnp.int32),
         root=jnp.zeros((batch,), jnp.int32),
-        draft_hidden=jnp.zeros((batch, h), target.dtype),
+        draft_hidden=None if draft is None else jnp.zeros((batch, draft.config.hidden_size), target.dtype),
     )
 
 
@@ -612,7 +625,7 @@ class SpeculativeGenerator:
         pending = (first[:, None], jnp.ones((b,), jnp.int32))
         first_step = True
         while True:
-            state, out, acc = self.step(state, samp, greedy_only, pb.cache_len, ref, oracle_noise)  # dispatched before reading
+            state, out, acc, _ = self.step(state, samp, greedy_only, pb.cache_len, ref, oracle_noise)  # dispatched before reading
             host_out, host_acc = np.asarray(pending[0]), np.asarray(pending[1])
             for i, r in enumerate(reqs):
                 if r.finish_reason is not None:

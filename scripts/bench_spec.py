@@ -109,7 +109,7 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
         # Reset the lengths each call so every timed step sees the same context.
         st = holder["state"]
         st.seq_lens = jnp.asarray(seq0_np)
-        holder["state"], out, _ = speculative_step(tg, ts, dg, ds, st, samp, cfg=cfg, greedy_only=True, max_seq_len=CACHE_LEN)
+        holder["state"], out, _, _ = speculative_step(tg, ts, dg, ds, st, samp, cfg=cfg, greedy_only=True, max_seq_len=CACHE_LEN)
         out.block_until_ready()
 
     step = median_ms(full, repeats)

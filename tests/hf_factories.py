@@ -61,3 +61,17 @@ def make_hf_model(kind: str, seed: int = 0):
     return model
 
 
+
+
+def write_word_tokenizer(directory, vocab_size: int, eos_id: int = 2) -> None:
+    """A word-level tokenizer for a tiny model: token i is the word ``w{i}``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()  # joins words with spaces
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"unk_token": "w0", "eos_token": f"w{eos_id}"}))

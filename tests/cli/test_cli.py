@@ -69,7 +69,7 @@ def test_generate_output_file(tmp_path, smollm2_dir):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in rows] == ["plain", 7]
     for x in rows:
-        assert set(x) == {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "tokens_per_second"}
+        assert set(x) == {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "tokens_per_second", "accept_lengths", "mean_accept_length"}
         assert 1 <= len(x["token_ids"]) <= 12 and x["finish_reason"] in ("stop", "length")
         assert x["tokens_per_second"] > 0
     assert "Paris" in rows[1]["text"]
@@ -82,3 +82,33 @@ def test_generate_streams_to_terminal(smollm2_dir):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_generate_speculative_equals_plain(tmp_path, smollm2_dir):
+    """--draft with a tree (cutoff above the batch): output equals --no-speculation's."""
+    from eagle_jax.checkpoint.draft_io import random_draft, save_draft
+    from eagle_jax.config import ModelConfig
+
+    draft = tmp_path / "draft"
+    save_draft(random_draft(ModelConfig.from_dir(smollm2_dir), seed=0, draft_vocab_size=4096), draft)
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in enumerate(["The sky is", "One, two,", "def f(x):"])))
+    outs = {}
+    for name, extra in (("spec", ["--draft", draft, "--steps", "3", "--topk", "2", "--draft-tokens", "4", "--spec-disable-batch-threshold", "4"]),
+                        ("plain", ["--draft", draft, "--no-speculation"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = run("generate", "--model", smollm2_dir, "--prompt-file", f, "--max-new-tokens", "10", "--output", out, *extra)
+        assert r.returncode == 0, r.stderr
+        assert "engine ready" in r.stderr
+        outs[name] = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["token_ids"] for x in outs["spec"]] == [x["token_ids"] for x in outs["plain"]]
+    assert all(x["accept_lengths"] == [] for x in outs["plain"])
+    assert any(x["accept_lengths"] for x in outs["spec"])
+
+
+def test_doctor_runs(smollm2_dir):
+    r = run("doctor", "--model", smollm2_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "eagle_jax.engine" in r.stdout and "editable" in r.stdout

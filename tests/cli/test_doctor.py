@@ -1,0 +1,203 @@
+"""``eagle-jax doctor``: the report names the code, versions and devices in use, and its
+checkpoint checks pass good directories and name what is wrong with bad ones."""
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from eagle_jax import doctor
+from eagle_jax.checkpoint.draft_io import random_draft, save_draft
+from eagle_jax.config import ModelConfig
+from hf_factories import make_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
+# A tensor every Llama checkpoint has; deleting it must fail the model check by name.
+DROPPED = "model.layers.1.mlp.up_proj.weight"
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A three-word tokenizer.json and a minimal tokenizer_config.json (ids < the model's 211)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"unk_token": "[UNK]"}))
+
+
+def copy_model(src: Path, dst: Path, edit) -> Path:
+    """``src`` with its tensors changed by ``edit(tensors)`` (config and tokenizer copied as is)."""
+    dst.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    make_hf_model("llama_tied").save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft_dir(model_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("draft")
+    save_draft(random_draft(ModelConfig.from_dir(model_dir), seed=0), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def foreign_draft_dir(model_dir, tmp_path_factory) -> Path:
+    """A well-formed draft made for a target with a larger vocabulary."""
+    path = tmp_path_factory.mktemp("foreign_draft")
+    save_draft(random_draft(ModelConfig.from_dir(model_dir).replace(vocab_size=300), seed=0), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def missing_tensor_dir(model_dir, tmp_path_factory) -> Path:
+    return copy_model(model_dir, tmp_path_factory.mktemp("bad") / "model", lambda t: t.pop(DROPPED))
+
+
+@pytest.fixture(scope="module")
+def report(model_dir, draft_dir) -> dict:
+    return doctor.collect_report(model_dir, draft_dir)
+
+
+def run_doctor(*args, env=None) -> subprocess.CompletedProcess:
+    """The doctor as a user runs it, in a fresh interpreter (cli.py registers it separately)."""
+    code = "import sys; from eagle_jax.doctor import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def checks_by_name(report: dict) -> dict:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_lists_every_project_module_with_its_file(report):
+    expected = {}
+    for package in doctor.PROJECT_PACKAGES:
+        for file in (REPO / package).rglob("*.py"):
+            parts = file.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            expected[name] = file
+    listed = {m["name"]: m for m in report["modules"]}
+    assert set(listed) == set(expected)
+    for name, file in expected.items():
+        assert listed[name]["error"] is None, listed[name]
+        assert Path(listed[name]["file"]).resolve() == file
+
+
+def test_install_is_editable_from_this_checkout(report):
+    install = report["eagle_jax"]
+    assert install["editable"] is True
+    assert Path(install["source"]) == REPO
+    assert Path(install["imported_from"]) == REPO
+    assert install["version"] == importlib.metadata.version("eagle-jax")
+    git = install["git"]
+    if "error" not in git:  # a machine without git is fine; a checkout has a commit
+        assert re.fullmatch(r"[0-9a-f]{40}", git["commit"])
+        assert isinstance(git["dirty"], bool)
+    assert report["warnings"] == []
+
+
+def test_versions_match_metadata(report):
+    for dist, info in report["packages"].items():
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        assert info["version"] == version, dist
+    assert report["packages"]["jax"]["location"].startswith(sys.prefix)
+
+
+def test_environment_and_devices(report):
+    assert report["python"]["executable"] == sys.executable
+    assert set(doctor.ENV_VARS) <= set(report["env"])
+    jax_report = report["jax"]
+    assert jax_report["device_count"] == len(jax_report["devices"]) >= 1
+    assert jax_report["default_dtype"] in ("float32", "bfloat16")
+
+
+def test_good_model_and_draft_pass(report, model_dir, draft_dir):
+    checks = checks_by_name(report)
+    assert report["ok"], [c["problems"] for c in report["checks"]]
+    assert {n: c["status"] for n, c in checks.items()} == {
+        "modules": "ok", "model": "ok", "draft": "ok", "compatibility": "ok",
+    }
+    model = checks["model"]["info"]
+    assert model["tensors_expected"] == 4 * 9 + 2  # per layer: 2 norms, 4 attention, 3 MLP
+    assert model["unexpected_tensors"] == []
+    assert checks["draft"]["info"]["config"]["has_embed_tokens"] is True
+    text = doctor.format_report(report)
+    assert "Result: all checks passed" in text
+    assert str(model_dir) in text and str(draft_dir) in text
+    assert str(REPO / "eagle_jax" / "doctor.py") in text
+
+
+def test_missing_tensor_is_named_and_exits_1(missing_tensor_dir):
+    r = run_doctor("--model", missing_tensor_dir)
+    assert r.returncode == 1, r.stderr
+    assert "[FAIL] model" in r.stdout
+    assert f"tensor {DROPPED} is missing (expected shape [128, 64])" in r.stdout
+    assert "Result: FAILED (model)" in r.stdout
+
+
+def test_wrong_shape_names_file_tensor_expected_actual(model_dir, tmp_path):
+    name = "model.layers.0.mlp.gate_proj.weight"  # [128, 64] stored, written transposed
+    bad = copy_model(model_dir, tmp_path / "model", lambda t: t.update({name: t[name].T.copy()}))
+    check, _ = doctor.check_model(bad)
+    assert check["status"] == "fail"
+    assert check["problems"] == [
+        {
+            "message": f"model.safetensors: tensor {name} has shape [64, 128], expected [128, 64]",
+            "file": "model.safetensors", "tensor": name, "expected": [128, 64], "actual": [64, 128],
+        }
+    ]
+
+
+def test_missing_tokenizer_fails(model_dir, tmp_path):
+    bad = copy_model(model_dir, tmp_path / "model", lambda t: None)
+    (bad / "tokenizer_config.json").unlink()
+    check, _ = doctor.check_model(bad)
+    assert check["status"] == "fail"
+    assert [p["file"] for p in check["problems"]] == ["tokenizer_config.json"]
+
+
+def test_draft_for_another_target_fails_compatibility(model_dir, foreign_draft_dir):
+    target_cfg = ModelConfig.from_dir(model_dir)
+    draft_check, draft_cfg = doctor.check_draft(foreign_draft_dir, target_cfg)
+    assert draft_check["status"] == "ok"  # well-formed on its own
+    check = doctor.check_compatibility(draft_cfg, target_cfg)
+    assert check["status"] == "fail"
+    assert "vocab_size=300" in check["problems"][0]["message"]
+
+
+def test_json_output_parses(model_dir, draft_dir):
+    r = run_doctor("--model", model_dir, "--draft", draft_dir, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] is True
+    assert {c["name"] for c in out["checks"]} == {"modules", "model", "draft", "compatibility"}
+
+
+def test_backend_that_does_not_start_fails(tmp_path):
+    r = run_doctor("--model", tmp_path / "none", env={"JAX_PLATFORMS": "nosuch"})
+    assert r.returncode == 1
+    assert "[FAIL] jax" in r.stdout and "the JAX backend does not start" in r.stdout and "nosuch" in r.stdout
+    assert "checkpoint directory" in r.stdout  # the other checks still ran

@@ -1,0 +1,230 @@
+"""The engine: continuous batching with the speculation cutoff, start-up that is whole or
+absent, zero compiles after warm-up, reproducible sampling, metrics and bad input."""
+
+import gc
+import logging
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.config import ModelConfig
+from eagle_jax.engine import Engine, EngineConfig, NonFiniteError, compile_count
+from eagle_jax.errors import CheckpointError, ConfigError, InputError
+from eagle_jax.generate import Buckets, Generator
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import SpeculativeConfig
+from hf_factories import make_hf_model, write_word_tokenizer
+
+SPEC = SpeculativeConfig(num_steps=3)
+CUTOFF = EngineConfig(
+    max_batch=4, max_seq_len=128, prompt_buckets=(16, 128), speculative=SPEC,
+    spec_disable_batch_threshold=2, spec_hysteresis_steps=2,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine_target")
+    make_hf_model("llama3", seed=4).save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, 211)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return random_draft(target.config, seed=2, draft_vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def engine(target, draft, reference):
+    # Built after the reference run: compiles_after_warmup counts every compile in the process.
+    return Engine(target, draft, CUTOFF, progress=False)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [3, 4], [20, 21, 22], [30], [40, 41, 42, 43]]
+LENGTHS = [60, 12, 35, 44, 6, 70, 25]
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    gen = Generator(target, buckets=Buckets(batch=(1, 8), prompt=(16,), cache=(128,)))
+    return gen.generate(PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LENGTHS])
+
+
+def _greedy(n):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def test_cutoff_run_is_token_identical_and_compiles_nothing(engine, reference):
+    """Requests arrive mid-run; the live batch crosses the threshold both ways; every
+    bucket and both modes run; outputs equal plain greedy; no compile after warm-up."""
+    before = compile_count()
+    ids = [engine.add_request(PROMPTS[i], _greedy(LENGTHS[i])) for i in range(2)]
+    for _ in range(6):
+        engine.step()
+    ids += [engine.add_request(PROMPTS[i], _greedy(LENGTHS[i])) for i in range(2, 7)]
+    engine.run_until_done()
+    done = {c.id: c for c in engine.pop_finished()}
+    for i, rid in enumerate(ids):
+        assert done[rid].token_ids == reference[i].token_ids, i
+        assert done[rid].finish_reason == "length"
+    s = engine.metrics.summary()
+    assert s["spec_steps"] > 0 and s["plain_steps"] > 0
+    assert s["mode_switches"] >= 2  # off when the batch grew past 2, on again after it shrank
+    assert compile_count() - before == 0
+    assert s["compiles_after_warmup"] == 0
+    assert sum(s["accept_length_histogram"].values()) > 0
+    assert len(s["acceptance_rate_by_depth"]) == SPEC.num_steps
+
+
+def test_queued_requests_are_never_dropped(engine, reference):
+    out = engine.generate(PROMPTS, [_greedy(n) for n in LENGTHS])  # 7 requests, 4 slots
+    assert [c.token_ids for c in out] == [r.token_ids for r in reference]
+
+
+def test_sampling_is_reproducible_alone_or_batched(engine):
+    sp = SamplingParams(temperature=0.8, top_k=40, seed=77, max_new_tokens=30, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], [sp])[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=50, ignore_eos=True) for s in range(5)]
+    # Five requests: the batch goes past the cutoff, so this run mixes plain and speculative steps.
+    batched = engine.generate([PROMPTS[1], PROMPTS[0]] + PROMPTS[2:6], [others[0], sp] + others[1:])[1].token_ids
+    assert alone == batched
+    assert engine.generate([PROMPTS[0]], [SamplingParams(temperature=0.8, top_k=40, seed=78, max_new_tokens=30, ignore_eos=True)])[0].token_ids != alone
+
+
+def test_cancel_frees_the_slot_and_spares_the_others(engine, reference):
+    ids = [engine.add_request(PROMPTS[i], _greedy(LENGTHS[i])) for i in range(3)]
+    for _ in range(4):
+        engine.step()
+    engine.cancel(ids[0])
+    late = engine.add_request(PROMPTS[3], _greedy(LENGTHS[3]))
+    engine.run_until_done()
+    done = {c.id: c for c in engine.pop_finished()}
+    assert done[ids[0]].finish_reason == "cancelled"
+    assert done[ids[0]].token_ids == reference[0].token_ids[: len(done[ids[0]].token_ids)]
+    assert len(done[ids[0]].token_ids) < LENGTHS[0]
+    for i, rid in ((1, ids[1]), (2, ids[2]), (3, late)):
+        assert done[rid].token_ids == reference[i].token_ids
+
+
+def test_stream_yields_the_completion_text(model_dir, target, draft):
+    from eagle_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    eng = Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(64,), speculative=SPEC), tokenizer=tok, progress=False)
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    deltas = list(eng.stream("w5 w6 w7", sp))
+    [c] = eng.generate(["w5 w6 w7"], sp)
+    assert len(deltas) > 1
+    assert "".join(deltas) == c.text and c.text.startswith("w")
+
+
+def test_detect_nan_names_request_and_step(tmp_path, draft):
+    path = tmp_path / "nan"
+    make_hf_model("llama3", seed=4).save_pretrained(path, safe_serialization=True)
+    bad = load_model(path)
+    state = nnx.state(bad, nnx.Param)
+    w = np.asarray(state["norm"]["weight"][...]).copy()
+    w[0] = np.nan
+    state["norm"]["weight"].set_value(w)
+    nnx.update(bad, state)
+    eng = Engine(bad, draft, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC, detect_nan=True), progress=False)
+    eng.add_request([5, 6, 7], _greedy(5), request_id="req-7")
+    with pytest.raises(NonFiniteError, match=r"step \d+ produced non-finite logits for request 'req-7'"):
+        eng.run_until_done()
+
+
+def test_failed_compile_raises_the_original_error_and_leaves_no_engine(monkeypatch, target, draft):
+    import eagle_jax.engine as engine_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected compile failure")
+
+    monkeypatch.setattr(engine_mod, "speculative_step", broken)
+    gc.collect()
+    before = sum(isinstance(o, Engine) for o in gc.get_objects())
+    with pytest.raises(RuntimeError, match="injected compile failure") as info:
+        Engine(target, draft, EngineConfig(max_batch=2, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC), progress=False)
+    assert any("while compiling the speculative step batch 1" in n for n in info.value.__notes__)
+    del info
+    gc.collect()
+    assert sum(isinstance(o, Engine) for o in gc.get_objects()) == before
+
+
+def test_start_up_logs_what_is_on(target, draft, caplog):
+    with caplog.at_level(logging.INFO, logger="eagle_jax.engine"):
+        Engine(target, draft, EngineConfig(max_batch=2, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC, spec_disable_batch_threshold=1), progress=False)
+    [line] = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+    for part in ("chain S=3", "off above padded batch 1", "batch buckets (1, 2)", "prompt buckets (32,)", "dtype float32", "graphs compiled"):
+        assert part in line
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_unknown_checkpoint_path(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Engine(str(tmp_path / "nope"), None, EngineConfig(speculative=None), progress=False)
+
+
+def test_draft_that_does_not_fit(target):
+    other = ModelConfig.from_hf_dict({**target.config.to_hf_dict(), "vocab_size": 300})
+    with pytest.raises(ConfigError, match="vocab"):
+        Engine(target, random_draft(other, seed=0), EngineConfig(max_batch=1, max_seq_len=32, speculative=SPEC), progress=False)
+
+
+def test_speculation_without_draft_is_rejected(target):
+    with pytest.raises(ConfigError, match="no draft"):
+        Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, speculative=SPEC), progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_batch=0), "max_batch"),
+        (dict(max_seq_len=1), "max_seq_len"),
+        (dict(max_batch=4, batch_buckets=(1, 2)), "batch_buckets"),
+        (dict(batch_buckets=(2, 1, 8)), "batch_buckets"),
+        (dict(max_seq_len=64, prompt_buckets=(16, 32)), "prompt_buckets"),
+        (dict(spec_disable_batch_threshold=-1), "spec_disable_batch_threshold"),
+        (dict(speculative=None, spec_disable_batch_threshold=2), "spec_disable_batch_threshold"),
+        (dict(long_prompt="drop"), "long_prompt"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(kernel_impl="cuda"), "kernel_impl"),
+    ],
+)
+def test_invalid_engine_config(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_prompt_errors(engine):
+    with pytest.raises(InputError, match="the prompt is empty"):
+        engine.add_request([], _greedy(4))
+    with pytest.raises(InputError, match="the prompt has 200 tokens; max_seq_len=128"):
+        engine.add_request(list(range(3, 203)), _greedy(4))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        engine.add_request([5, 5000], _greedy(4))
+    with pytest.raises(InputError, match="SamplingParams"):
+        engine.add_request([5], {"temperature": 1.0})
+    with pytest.raises(InputError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(InputError, match="no request"):
+        engine.cancel("missing")
+
+
+def test_long_prompt_truncation_is_said(target, draft, caplog):
+    eng = Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC, long_prompt="truncate"), progress=False)
+    with caplog.at_level(logging.WARNING, logger="eagle_jax.engine"):
+        [c] = eng.generate([list(range(3, 63))], [_greedy(8)])
+    assert c.truncated_prompt and c.prompt_token_ids == list(range(39, 63))
+    assert len(c.token_ids) == 8
+    assert any("truncated" in r.getMessage() for r in caplog.records)
