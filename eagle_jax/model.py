@@ -26,6 +26,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.config import ModelConfig, RopeScaling
+from pallas_kernels.tree_attention import tree_attention
 
 # ----------------------------------------------------------------------------- KV cache
 
@@ -55,6 +56,17 @@ class KVCache:
     @property
     def batch(self) -> int:
         return self.k[0].shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAttention:
+    """Attend a verify block with ``pallas_kernels.tree_attention`` instead of a dense mask:
+    query t of row b sees slots ``< seq_lens[b]`` and, among ``seq_lens[b] + j``, those
+    with ``tree_mask[b, t, j]``. ``impl`` is the kernel wrapper's (auto/kernel/reference)."""
+
+    seq_lens: Array
+    tree_mask: Array
+    impl: str = "auto"
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -171,7 +183,8 @@ class Attention(nnx.Module):
         k_cache: Float[Array, "B S KV D"],
         v_cache: Float[Array, "B S KV D"],
         cache_slots: Int[Array, "B T"],
-        mask: Bool[Array, "B T S"],
+        mask: Bool[Array, "B T S"] | None,
+        tree: "TreeAttention | None" = None,
     ):
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -184,7 +197,11 @@ class Attention(nnx.Module):
         rows = jnp.arange(b)[:, None]
         k_cache = k_cache.at[rows, cache_slots].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[rows, cache_slots].set(v.astype(v_cache.dtype), mode="drop")
-        out = masked_attention(q, k_cache, v_cache, mask, 1.0 / math.sqrt(self.head_dim))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if tree is not None:
+            out = tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
+        else:
+            out = masked_attention(q, k_cache, v_cache, mask, scale)
         return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
 
 
@@ -205,9 +222,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, cos, sin, k_cache, v_cache, cache_slots, mask):
+    def __call__(self, h, cos, sin, k_cache, v_cache, cache_slots, mask, tree=None):
         a, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(h), cos, sin, k_cache, v_cache, cache_slots, mask
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, cache_slots, mask, tree
         )
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
@@ -247,9 +264,10 @@ class LlamaModel(nnx.Module):
         positions: Int[Array, "B T"],
         cache: KVCache,
         cache_slots: Int[Array, "B T"],
-        mask: Bool[Array, "B T S"],
+        mask: Bool[Array, "B T S"] | None,
         *,
         return_features: bool = False,
+        tree: "TreeAttention | None" = None,
     ) -> tuple[Float[Array, "B T H"], Float[Array, "B T F"] | None, KVCache]:
         """Run T new tokens per sequence against the cache.
 
@@ -262,6 +280,8 @@ class LlamaModel(nnx.Module):
             write (so a token must see its own slot).
           return_features: also return the residual stream entering the feature layers,
             concatenated low..high (``F = len(feature_layer_ids) * H``).
+          tree: for a verify forward, attend with the tree-attention kernel instead of
+            ``mask`` (the tokens must sit at slots ``seq_len + t``; see ``TreeAttention``).
 
         Returns:
           (final normed hidden ``[B, T, H]``, features or None, updated cache).
@@ -276,7 +296,7 @@ class LlamaModel(nnx.Module):
             if return_features and i in feature_ids:
                 feats[i] = h
             with jax.named_scope(f"layer_{i}"):
-                h, k, v = layer(h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask)
+                h, k, v = layer(h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask, tree)
             new_k.append(k)
             new_v.append(v)
         if return_features and cfg.num_hidden_layers in feature_ids:

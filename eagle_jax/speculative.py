@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.generate import Buckets, PaddedBatch, RequestProgress, check_prompt, normalize_params
-from eagle_jax.model import KVCache, LlamaModel
+from eagle_jax.model import KVCache, LlamaModel, TreeAttention
 from eagle_jax.sampling import (
     SamplingArrays,
     SamplingParams,
@@ -305,16 +305,22 @@ def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens
 
 
 def verify_tree(
-    target: LlamaModel, cache: KVCache, seq_lens: Int[Array, "B"], tree: Tree
+    target: LlamaModel, cache: KVCache, seq_lens: Int[Array, "B"], tree: Tree, *, tree_attention_impl: str | None = None
 ) -> tuple[Float[Array, "B T V"], Float[Array, "B T F"], KVCache]:
     """Target forward over the tree tokens of every sequence (ancestor-only mask).
 
     Writes the tree's KV at slots ``seq_len + t``; returns (logits, features, cache).
+    ``tree_attention_impl`` None attends with a dense ``[B, T, S]`` mask in XLA; otherwise
+    with ``pallas_kernels.tree_attention`` in that mode (the GPU path).
     """
     t = tree.tokens.shape[1]
     slots = seq_lens[:, None] + jnp.arange(t)[None, :]
-    mask = verify_mask(seq_lens, tree_ancestor_mask(tree.parents), cache.max_len)
-    h, feats, cache = target(tree.tokens, seq_lens[:, None] + tree.depths, cache, slots, mask, return_features=True)
+    tmask = tree_ancestor_mask(tree.parents)
+    if tree_attention_impl is None:
+        mask, ta = verify_mask(seq_lens, tmask, cache.max_len), None
+    else:
+        mask, ta = None, TreeAttention(seq_lens, tmask, tree_attention_impl)
+    h, feats, cache = target(tree.tokens, seq_lens[:, None] + tree.depths, cache, slots, mask, return_features=True, tree=ta)
     return target.logits(h), feats, cache
 
 
@@ -402,7 +408,12 @@ def speculative_step(
             noise_u = jax.vmap(lambda k: jax.random.uniform(k, (cfg.num_draft_tokens,)))(noise_key)
             tree = apply_oracle(tree, oracle, seq, noise_u, oracle_noise, target.config.vocab_size)
     with jax.named_scope("verify"):
-        logits, feats, tcache = verify_tree(target, state.target_cache, seq, tree)
+        # On GPUs the verify forward attends with the tree-attention kernel (it falls back
+        # to XLA for shapes it does not support); on CPU the dense-mask XLA path is faster.
+        on_gpu = jax.default_backend() == "gpu" and kernel_impl != "reference"
+        logits, feats, tcache = verify_tree(
+            target, state.target_cache, seq, tree, tree_attention_impl="auto" if on_gpu else None
+        )
     with jax.named_scope("accept"):
         acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=greedy_only, kernel_impl=kernel_impl)
     with jax.named_scope("commit"):
@@ -478,6 +489,23 @@ def spec_prefill(tgraph, tstate, dgraph, dstate, state: SpecState, tokens, lengt
 
 
 # ----------------------------------------------------------------------------- host API
+
+
+def speculative_generate(
+    target: LlamaModel,
+    draft: Eagle3Draft,
+    prompts: Sequence[Sequence[int]],
+    spec: SpeculativeConfig = SpeculativeConfig(),
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    tokenizer=None,
+    buckets: Buckets = Buckets(),
+    max_seq_len: int | None = None,
+) -> list["SpecCompletion"]:
+    """One-call speculative generation for experiments: tokens, text and the accept
+    length of every step per prompt (the engine drives the same compiled step)."""
+    gen = SpeculativeGenerator(target, draft, spec, tokenizer, buckets=buckets, max_seq_len=max_seq_len)
+    return gen.generate(prompts, params)
 
 
 @dataclasses.dataclass

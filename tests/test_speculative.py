@@ -1,6 +1,7 @@
 """Speculative decoding is lossless: greedy output token-identical to plain greedy, sampled
 output distributed as the target's, across chain and tree configs and acceptance regimes."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -8,6 +9,7 @@ from scipy import stats
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.config import ModelConfig
 from eagle_jax.errors import ConfigError
 from eagle_jax.generate import Buckets, Generator
 from eagle_jax.model import KVCache, causal_mask
@@ -29,13 +31,18 @@ def _cfg_id(c):
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def target_dir(tmp_path_factory):
     hf = make_hf_model("llama3", seed=11)
     with torch.no_grad():  # a peakier head makes greedy continuations less repetitive
         hf.lm_head.weight.mul_(8.0)
     path = tmp_path_factory.mktemp("spec_target")
     hf.save_pretrained(path, safe_serialization=True)
-    return load_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_model(target_dir)
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +265,70 @@ def test_coupled_sampling_equals_plain_sampling(target, draft, prompts):
         assert np.mean([a for c in together for a in c.accept_lengths]) > 1.5
     # Different seeds do give different samples (the check above is not vacuous).
     assert len({tuple(c.token_ids) for c in plain}) == len(plain)
+
+
+def test_tree_attention_path_matches_dense_mask(target, draft, prompts):
+    """The verify forward through pallas_kernels.tree_attention (its jnp reference here;
+    the kernel on GPUs) gives the dense-mask XLA path's logits, features and cache."""
+    import jax.numpy as jnp
+
+    from eagle_jax.speculative import draft_tree, new_state, spec_prefill, verify_tree
+    from eagle_jax.sampling import SamplingArrays
+    from flax import nnx
+
+    cfg = TREES[1]
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(draft)
+    b = 3
+    toks = np.zeros((b, 16), np.int32)
+    for i in range(b):
+        toks[i, : len(prompts[i])] = prompts[i]
+    lengths = jnp.asarray([len(p) for p in prompts[:b]], jnp.int32)
+    state, _ = spec_prefill(tg, ts, dg, ds, new_state(target, draft, cfg, b, 64), jnp.asarray(toks), lengths,
+                            SamplingArrays.build([SamplingParams()] * b, b), greedy_only=True)
+    tree, _ = draft_tree(draft, state.draft_cache, state, cfg)
+    assert len(set(np.asarray(tree.depths).ravel().tolist())) > 2  # a real tree, several depths
+    dense = verify_tree(target, state.target_cache, state.seq_lens, tree)
+    kernel = verify_tree(target, state.target_cache, state.seq_lens, tree, tree_attention_impl="reference")
+    for a, k in zip(jax.tree.leaves(dense), jax.tree.leaves(kernel)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(k), atol=2e-5)
+
+
+def test_speculative_generate_function_and_eos_mid_draft(target_dir, target, draft, prompts, reference):
+    """The experiment-level function; the target's own EOS (not a stop id) ends a request
+    in the middle of an accepted draft."""
+    from eagle_jax.speculative import speculative_generate
+
+    eos = reference[2].token_ids[17]
+    with_eos = load_model(target_dir, config=ModelConfig.from_dir(target_dir).replace(eos_token_ids=(eos,)))
+    oracle = [p + r.token_ids for p, r in zip(prompts, reference)]
+    gen = SpeculativeGenerator(with_eos, draft, CHAINS[2], buckets=BUCKETS)
+    out = gen.generate(prompts[2:3], SamplingParams(max_new_tokens=100), oracle=oracle[2:3])
+    ref = reference[2].token_ids
+    assert out[0].token_ids == ref[: ref.index(eos) + 1] and out[0].finish_reason == "stop"
+    assert out[0].mean_accept_length > 3  # the EOS landed inside a fully accepted draft
+    res = speculative_generate(target, draft, prompts[:2], CHAINS[1], SamplingParams(max_new_tokens=30, ignore_eos=True), buckets=BUCKETS)
+    assert [r.token_ids for r in res] == [r.token_ids[:30] for r in reference[:2]]
+    assert all(len(r.accept_lengths) >= 1 for r in res)
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.parametrize("cfg", [CHAINS[2], TREES[0], TREES[1]], ids=_cfg_id)
+def test_smollm2_greedy_lossless(smollm2_dir, cfg):
+    """The real model: random draft (almost nothing accepted) and the oracle with noise."""
+    from eagle_jax.tokenizer import Tokenizer
+
+    tgt = load_model(smollm2_dir)
+    tok = Tokenizer.from_dir(smollm2_dir)
+    drf = random_draft(tgt.config, seed=0, draft_vocab_size=4096)
+    chats = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in chats]
+    buckets = Buckets(batch=(1, 4), prompt=(64,), cache=(128,))
+    sp = SamplingParams(max_new_tokens=48)
+    ref = Generator(tgt, tok, buckets=buckets).generate(prompts, sp)
+    gen = SpeculativeGenerator(tgt, drf, cfg, tok, buckets=buckets)
+    for oracle, noise in ((None, 0.0), ([p + r.token_ids for p, r in zip(prompts, ref)], 0.3)):
+        out = gen.generate(prompts, sp, oracle=oracle, oracle_noise=noise)
+        assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+        assert [o.text for o in out] == [r.text for r in ref]

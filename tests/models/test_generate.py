@@ -104,3 +104,42 @@ def test_bad_prompts(tmp_path, prompt, message):
 def test_invalid_sampling_values(kwargs, field):
     with pytest.raises(InputError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_stop_strings_cut_the_text(tmp_path):
+    from eagle_jax.tokenizer import Tokenizer
+    from hf_factories import write_word_tokenizer
+
+    hf = make_hf_model("llama3", seed=11)
+    with torch.no_grad():  # a peakier head gives less repetitive text
+        hf.lm_head.weight.mul_(8.0)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_word_tokenizer(tmp_path, hf.config.vocab_size)
+    gen = Generator(load_model(tmp_path), Tokenizer.from_dir(tmp_path), buckets=SMALL)
+    free = gen.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    words = free.text.split()
+    assert len(words) == 12
+    stop = " ".join(words[3:5])  # a stop string spanning two tokens
+    first = next(i for i in range(11) if words[i : i + 2] == words[3:5])
+    cut = gen.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, ignore_eos=True, stop_strings=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert cut.token_ids == free.token_ids[: first + 2]  # up to the token completing the stop string
+
+
+def test_forward_shapes_are_checked_by_beartype(hf_checkpoint):
+    """The jaxtyping annotations on the model's public functions hold (checked at trace time)."""
+    import jax.numpy as jnp
+    from beartype import beartype
+    from jaxtyping import TypeCheckError, jaxtyped
+
+    from eagle_jax.model import KVCache, causal_mask
+
+    _, _, path = hf_checkpoint
+    model = load_model(path)
+    checked = jaxtyped(typechecker=beartype)(type(model).__call__)
+    pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    h, _, _ = checked(model, jnp.ones((2, 4), jnp.int32), pos, KVCache.zeros(model.config, 2, 8), pos, causal_mask(pos, 8))
+    assert h.shape == (2, 4, model.config.hidden_size)
+    with pytest.raises(TypeCheckError):  # positions of another batch size
+        checked(model, jnp.ones((2, 4), jnp.int32), pos[:1], KVCache.zeros(model.config, 2, 8), pos, causal_mask(pos, 8))
