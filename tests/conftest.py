@@ -43,3 +43,13 @@ def smollm2_hf_tokenizer(smollm2_gguf):
     """transformers' tokenizer built from the GGUF itself (the reference for parity)."""
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_graphs():
+    """Drop each test module's compiled executables when it ends: one process runs the
+    whole suite, and hundreds of big unrolled graphs would otherwise pile up."""
+    yield
+    import jax
+
+    jax.clear_caches()
