@@ -38,21 +38,13 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.generate import RequestProgress
 from eagle_jax.model import LlamaModel
 from eagle_jax.sampling import SamplingArrays, SamplingParams
-from eagle_jax.speculative import (
-    SpeculativeConfig,
-    SpecState,
-    new_state,
-    plain_step,
-    spec_prefill,
-    speculative_step,
-)
+from eagle_jax.speculative import SpeculativeConfig, SpecState, SpecSteps, new_state
 
 log = logging.getLogger(__name__)
 
@@ -500,9 +492,9 @@ class Engine:
         tokens = np.zeros((1, p_len), np.int32)
         tokens[0, : len(req.prompt)] = req.prompt
         samp = SamplingArrays.build([req.params], 1)
-        row_state, first = spec_prefill(
-            self._tgraph, self._tstate, self._dgraph, self._dstate, self._fresh_row(),
-            jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp, greedy_only=False,
+        row_state, first = self._steps.prefill(
+            self._fresh_row(), jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp,
+            greedy_only=False,
         )
         self._state = _insert_row(self._state, row_state, np.int32(row))
         self._slots[row] = req
@@ -540,13 +532,12 @@ class Engine:
         b = len(self._slots)
         samp = self._samp()
         spec = self._choose_mode(b)
-        args = (self._tgraph, self._tstate, self._dgraph, self._dstate, self._state, samp)
-        kw = dict(greedy_only=self._greedy_only, max_seq_len=self.config.max_seq_len, check_finite=self.config.detect_nan)
+        kw = dict(greedy_only=self._greedy_only, max_seq_len=self.config.max_seq_len)
         if spec:
-            out = speculative_step(*args, cfg=self.config.speculative, kernel_impl=self.config.kernel_impl, **kw)
+            out = self._steps.speculative(self._state, samp, **kw)
             self.metrics.spec_steps += 1
         else:
-            out = plain_step(*args, **kw)
+            out = self._steps.plain(self._state, samp, **kw)
             self.metrics.plain_steps += 1
         self._state, tokens, acc, finite = out
         self._step_no += 1
@@ -621,12 +612,11 @@ def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> di
         raise ConfigError(f"max_seq_len={config.max_seq_len} exceeds the target's max_position_embeddings={limit}")
     tokenizer = _tokenizer_for(target_path, tokenizer)
     spec_sizing = config.speculative or SpeculativeConfig(num_steps=1)
-    tgraph, tstate = nnx.split(target)
-    dgraph, dstate = nnx.split(draft) if draft is not None else (None, None)
     parts = dict(
         config=config, target=target, draft=draft, tokenizer=tokenizer,
         eos_ids=tuple(tokenizer.eos_token_ids) if tokenizer is not None else target.config.eos_token_ids,
-        _tgraph=tgraph, _tstate=tstate, _dgraph=dgraph, _dstate=dstate, _spec_sizing=spec_sizing,
+        _steps=SpecSteps(target, draft, config.speculative, kernel_impl=config.kernel_impl, check_finite=config.detect_nan),
+        _spec_sizing=spec_sizing,
     )
     t0 = time.perf_counter()
     n_graphs = _compile_all(parts, progress)
@@ -665,7 +655,7 @@ def _compile_all(parts: dict, progress: bool) -> int:
     step modes (greedy-only and sampled) per batch bucket, resize between buckets."""
     cfg: EngineConfig = parts["config"]
     target, draft = parts["target"], parts["draft"]
-    tg, ts, dg, ds = parts["_tgraph"], parts["_tstate"], parts["_dgraph"], parts["_dstate"]
+    steps: SpecSteps = parts["_steps"]
     sizing = parts["_spec_sizing"]
     jobs: list[tuple[str, Callable[[], Any]]] = []
 
@@ -674,8 +664,8 @@ def _compile_all(parts: dict, progress: bool) -> int:
 
     samp1 = SamplingArrays.build([], 1)
     for p in cfg.prompt_buckets:
-        jobs.append((f"prefill prompt {p}", lambda p=p: spec_prefill(
-            tg, ts, dg, ds, fresh(1), jax.device_put(np.zeros((1, p), np.int32)), jax.device_put(np.ones((1,), np.int32)),
+        jobs.append((f"prefill prompt {p}", lambda p=p: steps.prefill(
+            fresh(1), jax.device_put(np.zeros((1, p), np.int32)), jax.device_put(np.ones((1,), np.int32)),
             samp1, greedy_only=False)[1]))
     modes = [False] + ([True] if cfg.speculative is not None else [])
     for b in cfg.batch_buckets:
@@ -686,12 +676,9 @@ def _compile_all(parts: dict, progress: bool) -> int:
                 jobs.append((f"resize {b}->{other}", lambda b=b, o=other: _gather_rows(fresh(b), jax.device_put(np.zeros((o,), np.int32))).seq_lens))
         for spec in modes:
             for greedy in (True, False):
-                kw = dict(greedy_only=greedy, max_seq_len=cfg.max_seq_len, check_finite=cfg.detect_nan)
-                if spec:
-                    fn = lambda b=b, kw=kw, samp=samp: speculative_step(  # noqa: E731
-                        tg, ts, dg, ds, fresh(b), samp, cfg=cfg.speculative, kernel_impl=cfg.kernel_impl, **kw)[1]
-                else:
-                    fn = lambda b=b, kw=kw, samp=samp: plain_step(tg, ts, dg, ds, fresh(b), samp, **kw)[1]  # noqa: E731
+                kw = dict(greedy_only=greedy, max_seq_len=cfg.max_seq_len)
+                step_fn = steps.speculative if spec else steps.plain
+                fn = lambda b=b, kw=kw, samp=samp, f=step_fn: f(fresh(b), samp, **kw)[1]  # noqa: E731
                 jobs.append((f"{'speculative' if spec else 'plain'} step batch {b} {'greedy' if greedy else 'sampled'}", fn))
     if progress:
         from rich.progress import Progress

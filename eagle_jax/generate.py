@@ -10,7 +10,6 @@ step i's tokens, so host work (stop checks, detokenising) overlaps the device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import Callable, Sequence
@@ -18,11 +17,10 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Int
 
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.model import KVCache, LlamaModel, causal_mask
+from eagle_jax.model import BoundModules, KVCache, LlamaModel, causal_mask
 from eagle_jax.sampling import SamplingArrays, SamplingParams, sample_tokens
 
 log = logging.getLogger(__name__)
@@ -64,10 +62,8 @@ class Completion:
 # ----------------------------------------------------------------------------- device steps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy_only"), donate_argnames=("cache",))
-def prefill_step(
-    graphdef,
-    state,
+def prefill_impl(
+    model: LlamaModel,
     tokens: Int[Array, "B P"],
     lengths: Int[Array, "B"],
     cache: KVCache,
@@ -76,7 +72,6 @@ def prefill_step(
     greedy_only: bool,
 ):
     """Prefill right-padded prompts; returns (first new token [B], cache)."""
-    model: LlamaModel = nnx.merge(graphdef, state)
     b, p = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     h, _, cache = model(tokens, pos, cache, pos, causal_mask(pos, cache.max_len))
@@ -85,10 +80,8 @@ def prefill_step(
     return nxt, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy_only"), donate_argnames=("cache",))
-def decode_step(
-    graphdef,
-    state,
+def decode_impl(
+    model: LlamaModel,
     tokens: Int[Array, "B"],
     seq_lens: Int[Array, "B"],
     cache: KVCache,
@@ -97,12 +90,34 @@ def decode_step(
     greedy_only: bool,
 ):
     """Feed one token per row at position ``seq_lens``; returns (next token, seq_lens + 1, cache)."""
-    model: LlamaModel = nnx.merge(graphdef, state)
     pos = seq_lens[:, None]
     h, _, cache = model(tokens[:, None], pos, cache, pos, causal_mask(pos, cache.max_len))
     nxt = sample_tokens(model.logits(h[:, 0]), samp, seq_lens + 1, greedy_only=greedy_only)
     # Finished or padding rows keep running; clamp so they never index past the cache.
     return nxt, jnp.minimum(seq_lens + 1, cache.max_len - 1), cache
+
+
+class PlainSteps:
+    """Prefill and decode compiled for one model (parameters bound, cache donated)."""
+
+    def __init__(self, model: LlamaModel):
+        bound = BoundModules(model)
+        self.params = bound.params
+
+        def prefill(params, tokens, lengths, cache, samp, *, greedy_only):
+            return prefill_impl(bound.modules(params)[0], tokens, lengths, cache, samp, greedy_only=greedy_only)
+
+        def decode(params, tokens, seq_lens, cache, samp, *, greedy_only):
+            return decode_impl(bound.modules(params)[0], tokens, seq_lens, cache, samp, greedy_only=greedy_only)
+
+        self._prefill = jax.jit(prefill, static_argnames=("greedy_only",), donate_argnames=("cache",))
+        self._decode = jax.jit(decode, static_argnames=("greedy_only",), donate_argnames=("cache",))
+
+    def prefill(self, tokens, lengths, cache, samp, *, greedy_only: bool):
+        return self._prefill(self.params, tokens, lengths, cache, samp, greedy_only=greedy_only)
+
+    def decode(self, tokens, seq_lens, cache, samp, *, greedy_only: bool):
+        return self._decode(self.params, tokens, seq_lens, cache, samp, greedy_only=greedy_only)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -236,7 +251,7 @@ class Generator:
         self.buckets = buckets
         self.max_seq_len = max_seq_len or limit
         self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else cfg.eos_token_ids
-        self.graphdef, self.state = nnx.split(model)
+        self.steps = PlainSteps(model)
         self._compiled: set[tuple] = set()
 
     def compile(self, batch: int, prompt_len: int, cache_len: int, greedy_only: bool) -> None:
@@ -248,10 +263,8 @@ class Generator:
         samp = SamplingArrays.build([], batch)
         cache = KVCache.zeros(self.model.config, batch, cache_len, self.model.dtype)
         ones = jnp.ones((batch,), jnp.int32)
-        nxt, cache = prefill_step(
-            self.graphdef, self.state, jnp.zeros((batch, prompt_len), jnp.int32), ones, cache, samp, greedy_only=greedy_only
-        )
-        decode_step(self.graphdef, self.state, nxt, ones, cache, samp, greedy_only=greedy_only)[0].block_until_ready()
+        nxt, cache = self.steps.prefill(jnp.zeros((batch, prompt_len), jnp.int32), ones, cache, samp, greedy_only=greedy_only)
+        self.steps.decode(nxt, ones, cache, samp, greedy_only=greedy_only)[0].block_until_ready()
         self._compiled.add(key)
 
     def generate(
@@ -283,13 +296,11 @@ class Generator:
         self.compile(pb.batch, pb.prompt_len, pb.cache_len, greedy_only)
         cache = KVCache.zeros(self.model.config, pb.batch, pb.cache_len, self.model.dtype)
         t0 = time.perf_counter()
-        nxt, cache = prefill_step(
-            self.graphdef, self.state, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths), cache, samp, greedy_only=greedy_only
-        )
+        nxt, cache = self.steps.prefill(jnp.asarray(pb.tokens), jnp.asarray(pb.lengths), cache, samp, greedy_only=greedy_only)
         seq = jnp.asarray(pb.lengths)
         while True:
             # Dispatch the next step before reading this one's tokens (async overlap).
-            following, seq, cache = decode_step(self.graphdef, self.state, nxt, seq, cache, samp, greedy_only=greedy_only)
+            following, seq, cache = self.steps.decode(nxt, seq, cache, samp, greedy_only=greedy_only)
             host = np.asarray(nxt)
             for i, r in enumerate(reqs):
                 if r.finish_reason is None:

@@ -31,20 +31,18 @@ Conventions (see ../shared/docs/eagle3-reference.md):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.generate import Buckets, PaddedBatch, RequestProgress, check_prompt, normalize_params
-from eagle_jax.model import KVCache, LlamaModel, TreeAttention
+from eagle_jax.model import BoundModules, KVCache, LlamaModel, TreeAttention
 from eagle_jax.sampling import (
     SamplingArrays,
     SamplingParams,
@@ -379,13 +377,8 @@ def _step_keys(samp: SamplingArrays, seq_lens):
     return coin_key, bonus_key
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("tgraph", "dgraph", "cfg", "greedy_only", "max_seq_len", "kernel_impl", "oracle_noise", "check_finite"),
-    donate_argnames=("state",),
-)
-def speculative_step(
-    tgraph, tstate, dgraph, dstate, state: SpecState, samp: SamplingArrays, oracle=None, *,
+def speculative_step_impl(
+    target: LlamaModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, oracle=None, *,
     cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto",
     oracle_noise: float = 0.0, check_finite: bool = False,
 ):
@@ -398,8 +391,6 @@ def speculative_step(
     emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
     only with ``check_finite``) says whether the row's verify logits were all finite.
     """
-    target: LlamaModel = nnx.merge(tgraph, tstate)
-    draft: Eagle3Draft = nnx.merge(dgraph, dstate)
     seq = state.seq_lens
     with jax.named_scope("draft"):
         tree, dcache = draft_tree(draft, state.draft_cache, state, cfg)
@@ -431,30 +422,25 @@ def speculative_step(
     return new_state, out, acc_len, _finite_rows(logits) if check_finite else None
 
 
-@functools.partial(
-    jax.jit, static_argnames=("tgraph", "dgraph", "greedy_only", "max_seq_len", "check_finite"), donate_argnames=("state",)
-)
-def plain_step(
-    tgraph, tstate, dgraph, dstate, state: SpecState, samp: SamplingArrays, *,
+def plain_step_impl(
+    target: LlamaModel, draft: Eagle3Draft | None, state: SpecState, samp: SamplingArrays, *,
     greedy_only: bool, max_seq_len: int, check_finite: bool = False,
 ):
-    """A non-speculative step; with a draft (``dgraph`` not None) it keeps the draft in
+    """A non-speculative step; with a draft (not None) it keeps the draft in
     sync by a 1-token draft extend, so speculation can resume without losing acceptance.
 
     Returns ``(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)``.
     """
-    target: LlamaModel = nnx.merge(tgraph, tstate)
     seq = state.seq_lens
     pos = seq[:, None]
     h, feats, tcache = target(
         state.root[:, None], pos, state.target_cache, pos,
-        prefix_causal_mask(seq, 1, state.target_cache.max_len), return_features=dgraph is not None,
+        prefix_causal_mask(seq, 1, state.target_cache.max_len), return_features=draft is not None,
     )
     logits = target.logits(h[:, 0])
     nxt = sample_tokens(logits, samp, seq + 1, greedy_only=greedy_only)
     g, dcache = None, None
-    if dgraph is not None:
-        draft: Eagle3Draft = nnx.merge(dgraph, dstate)
+    if draft is not None:
         g, dcache = _draft_extend(draft, state.draft_cache, nxt[:, None], feats, seq, jnp.zeros_like(seq))
     new_state = SpecState(tcache, dcache, jnp.minimum(seq + 1, max_seq_len), nxt, g)
     return new_state, nxt[:, None], jnp.ones_like(seq), _finite_rows(logits) if check_finite else None
@@ -464,28 +450,81 @@ def _finite_rows(logits: Float[Array, "B ... V"]) -> Bool[Array, "B"]:
     return jnp.all(jnp.isfinite(logits).reshape(logits.shape[0], -1), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "greedy_only"), donate_argnames=("state",))
-def spec_prefill(tgraph, tstate, dgraph, dstate, state: SpecState, tokens, lengths, samp: SamplingArrays, *, greedy_only: bool):
-    """Prefill the target and (when ``dgraph`` is not None) the draft; ``state`` holds
-    zeroed caches. Returns (state, first token [B])."""
-    target: LlamaModel = nnx.merge(tgraph, tstate)
+def prefill_impl(
+    target: LlamaModel, draft: Eagle3Draft | None, state: SpecState, tokens: Int[Array, "B P"], lengths: Int[Array, "B"],
+    samp: SamplingArrays, *, greedy_only: bool,
+):
+    """Prefill the target and (when there is one) the draft; ``state`` holds zeroed
+    caches. Returns (state, first token [B])."""
     b, p = tokens.shape
     rows = jnp.arange(b)
     zeros = jnp.zeros((b,), jnp.int32)
     h, feats, tcache = target(
         tokens, jnp.broadcast_to(jnp.arange(p), (b, p)), state.target_cache,
         jnp.broadcast_to(jnp.arange(p), (b, p)), prefix_causal_mask(zeros, p, state.target_cache.max_len),
-        return_features=dgraph is not None,
+        return_features=draft is not None,
     )
     first = sample_tokens(target.logits(h[rows, lengths - 1]), samp, lengths, greedy_only=greedy_only)
-    if dgraph is None:
+    if draft is None:
         return SpecState(tcache, None, lengths, first, None), first
-    draft: Eagle3Draft = nnx.merge(dgraph, dstate)
     # Draft pairs f_p with x_{p+1}: shift the prompt left and put the new token at len-1.
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     shifted = shifted.at[rows, lengths - 1].set(first)
     g, dcache = _draft_extend(draft, state.draft_cache, shifted, feats, zeros, lengths - 1)
     return SpecState(tcache, dcache, lengths, first, g), first
+
+
+class SpecSteps:
+    """Prefill, speculative step and plain step compiled for one target/draft pair.
+
+    The parameters are bound once (``BoundModules``); every call donates the state.
+    Static per call: ``greedy_only`` and ``max_seq_len`` (ints and bools hash cheaply).
+
+    Args:
+      target, draft: the models (``draft`` None: plain steps only).
+      spec: the draft shape for ``speculative``.
+      kernel_impl: verification kernels, "auto" / "kernel" / "reference".
+      check_finite: steps also return per-row "logits were finite" flags.
+    """
+
+    def __init__(self, target: LlamaModel, draft: Eagle3Draft | None, spec: SpeculativeConfig | None, *,
+                 kernel_impl: str = "auto", check_finite: bool = False):
+        bound = BoundModules(target, draft)
+        self.params = bound.params
+
+        def prefill(params, state, tokens, lengths, samp, *, greedy_only):
+            t, d = bound.modules(params)
+            return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=greedy_only)
+
+        def speculative(params, state, samp, oracle=None, *, greedy_only, max_seq_len, oracle_noise=0.0):
+            t, d = bound.modules(params)
+            return speculative_step_impl(
+                t, d, state, samp, oracle, cfg=spec, greedy_only=greedy_only, max_seq_len=max_seq_len,
+                kernel_impl=kernel_impl, oracle_noise=oracle_noise, check_finite=check_finite,
+            )
+
+        def plain(params, state, samp, *, greedy_only, max_seq_len):
+            t, d = bound.modules(params)
+            return plain_step_impl(t, d, state, samp, greedy_only=greedy_only, max_seq_len=max_seq_len, check_finite=check_finite)
+
+        donate = dict(donate_argnames=("state",))
+        self._prefill = jax.jit(prefill, static_argnames=("greedy_only",), **donate)
+        self._speculative = jax.jit(speculative, static_argnames=("greedy_only", "max_seq_len", "oracle_noise"), **donate)
+        self._plain = jax.jit(plain, static_argnames=("greedy_only", "max_seq_len"), **donate)
+        self.has_draft = draft is not None
+        self.spec = spec
+
+    def prefill(self, state: SpecState, tokens, lengths, samp: SamplingArrays, *, greedy_only: bool):
+        """(state, first token [B])."""
+        return self._prefill(self.params, state, tokens, lengths, samp, greedy_only=greedy_only)
+
+    def speculative(self, state: SpecState, samp: SamplingArrays, oracle=None, *, greedy_only: bool, max_seq_len: int, oracle_noise: float = 0.0):
+        """(state, out_tokens [B, S+1], accept_length [B], finite [B] or None)."""
+        return self._speculative(self.params, state, samp, oracle, greedy_only=greedy_only, max_seq_len=max_seq_len, oracle_noise=oracle_noise)
+
+    def plain(self, state: SpecState, samp: SamplingArrays, *, greedy_only: bool, max_seq_len: int):
+        """(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)."""
+        return self._plain(self.params, state, samp, greedy_only=greedy_only, max_seq_len=max_seq_len)
 
 
 # ----------------------------------------------------------------------------- host API
@@ -565,8 +604,7 @@ class SpeculativeGenerator:
         self.max_seq_len = max_seq_len or limit
         self.kernel_impl = kernel_impl
         self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else target.config.eos_token_ids
-        self.tgraph, self.tstate = nnx.split(target)
-        self.dgraph, self.dstate = nnx.split(draft)
+        self.steps = SpecSteps(target, draft, spec, kernel_impl=kernel_impl)
         self.draft_width = spec.num_draft_tokens if spec is not None else 1
         self._compiled: set[tuple] = set()
 
@@ -577,9 +615,8 @@ class SpeculativeGenerator:
             return
         samp = SamplingArrays.build([], batch)
         state = new_state(self.target, self.draft, self.spec or SpeculativeConfig(num_steps=1), batch, cache_len)
-        state, _ = spec_prefill(
-            self.tgraph, self.tstate, self.dgraph, self.dstate, state, jnp.zeros((batch, prompt_len), jnp.int32),
-            jnp.ones((batch,), jnp.int32), samp, greedy_only=greedy_only,
+        state, _ = self.steps.prefill(
+            state, jnp.zeros((batch, prompt_len), jnp.int32), jnp.ones((batch,), jnp.int32), samp, greedy_only=greedy_only
         )
         oracle = jnp.zeros((batch, cache_len + self.draft_width), jnp.int32) if with_oracle else None
         self.step(state, samp, greedy_only, cache_len, oracle)[1].block_until_ready()
@@ -587,12 +624,9 @@ class SpeculativeGenerator:
 
     def step(self, state, samp, greedy_only, max_seq_len, oracle=None, oracle_noise=0.0):
         if self.spec is None:
-            return plain_step(self.tgraph, self.tstate, self.dgraph, self.dstate, state, samp,
-                              greedy_only=greedy_only, max_seq_len=max_seq_len)
-        return speculative_step(
-            self.tgraph, self.tstate, self.dgraph, self.dstate, state, samp, oracle, cfg=self.spec,
-            greedy_only=greedy_only, max_seq_len=max_seq_len, kernel_impl=self.kernel_impl,
-            oracle_noise=oracle_noise,
+            return self.steps.plain(state, samp, greedy_only=greedy_only, max_seq_len=max_seq_len)
+        return self.steps.speculative(
+            state, samp, oracle, greedy_only=greedy_only, max_seq_len=max_seq_len, oracle_noise=oracle_noise
         )
 
     def generate(
@@ -646,10 +680,7 @@ class SpeculativeGenerator:
                 ref_np[i, : min(len(seq), width)] = seq[:width]
             ref = jnp.asarray(ref_np)
         t0 = time.perf_counter()
-        state, first = spec_prefill(
-            self.tgraph, self.tstate, self.dgraph, self.dstate, state, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths),
-            samp, greedy_only=greedy_only,
-        )
+        state, first = self.steps.prefill(state, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths), samp, greedy_only=greedy_only)
         pending = (first[:, None], jnp.ones((b,), jnp.int32))
         first_step = True
         while True:

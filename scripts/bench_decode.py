@@ -26,7 +26,7 @@ import numpy as np
 
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.cli import default_model_dir
-from eagle_jax.generate import Buckets, Generator, decode_step, prefill_step
+from eagle_jax.generate import Buckets, Generator
 from eagle_jax.model import KVCache
 from eagle_jax.sampling import SamplingArrays, SamplingParams
 from eagle_jax.tokenizer import Tokenizer
@@ -85,12 +85,12 @@ def time_decode_steps(gen: Generator, prompts, steps: int, repeats: int) -> list
     per_step = []
     for _ in range(repeats + 1):  # the first run compiles
         cache = KVCache.zeros(gen.model.config, b, s_len, gen.model.dtype)
-        nxt, cache = prefill_step(gen.graphdef, gen.state, jnp.asarray(tokens), jnp.asarray(lengths), cache, samp, greedy_only=True)
+        nxt, cache = gen.steps.prefill(jnp.asarray(tokens), jnp.asarray(lengths), cache, samp, greedy_only=True)
         seq = jnp.asarray(lengths)
         nxt.block_until_ready()
         t = time.perf_counter()
         for _ in range(steps):
-            nxt, seq, cache = decode_step(gen.graphdef, gen.state, nxt, seq, cache, samp, greedy_only=True)
+            nxt, seq, cache = gen.steps.decode(nxt, seq, cache, samp, greedy_only=True)
         nxt.block_until_ready()
         per_step.append((time.perf_counter() - t) / steps)
     return per_step[1:]

@@ -25,27 +25,26 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.cli import default_model_dir
-from eagle_jax.generate import Buckets, Generator, decode_step
+from eagle_jax.generate import Buckets, Generator, PlainSteps
 from eagle_jax.model import KVCache
 from eagle_jax.sampling import SamplingArrays, SamplingParams
 from eagle_jax.speculative import (
     SpeculativeConfig,
     SpeculativeGenerator,
     SpecState,
+    SpecSteps,
     _draft_extend,
     accept_tree,
     commit_accepted,
     draft_tree,
     new_state,
-    spec_prefill,
-    speculative_step,
     verify_tree,
 )
+from eagle_jax.model import BoundModules
 from eagle_jax.tokenizer import Tokenizer
 
 CONFIGS = [
@@ -80,13 +79,13 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def plain_step_ms(target, b, prompts, repeats):
-    graph, state = nnx.split(target)
+    steps = PlainSteps(target)
     samp = SamplingArrays.build([SamplingParams()] * b, b)
     holder = {"cache": KVCache.zeros(target.config, b, CACHE_LEN), "tok": jnp.zeros((b,), jnp.int32)}
     seq = jnp.asarray([len(p) for p in prompts], jnp.int32)
 
     def run():
-        tok, _, holder["cache"] = decode_step(graph, state, holder["tok"], seq, holder["cache"], samp, greedy_only=True)
+        tok, _, holder["cache"] = steps.decode(holder["tok"], seq, holder["cache"], samp, greedy_only=True)
         tok.block_until_ready()
 
     return median_ms(run, repeats)
@@ -94,14 +93,15 @@ def plain_step_ms(target, b, prompts, repeats):
 
 def spec_ms(target, draft, cfg, b, prompts, repeats):
     """(full step ms, {phase: ms}) on a state prefilled with real prompts."""
-    tg, ts = nnx.split(target)
-    dg, ds = nnx.split(draft)
+    steps = SpecSteps(target, draft, cfg)
+    bd, bt = BoundModules(draft), BoundModules(target)
+    (dp,), (tp,) = bd.params, bt.params
     samp = SamplingArrays.build([SamplingParams()] * b, b)
     tokens = np.zeros((b, PROMPT_LEN), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state, _ = spec_prefill(tg, ts, dg, ds, new_state(target, draft, cfg, b, CACHE_LEN), jnp.asarray(tokens), lengths, samp, greedy_only=True)
+    state, _ = steps.prefill(new_state(target, draft, cfg, b, CACHE_LEN), jnp.asarray(tokens), lengths, samp, greedy_only=True)
     seq0_np = np.asarray(state.seq_lens)
     holder = {"state": state}
 
@@ -109,7 +109,7 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
         # Reset the lengths each call so every timed step sees the same context.
         st = holder["state"]
         st.seq_lens = jnp.asarray(seq0_np)
-        holder["state"], out, _, _ = speculative_step(tg, ts, dg, ds, st, samp, cfg=cfg, greedy_only=True, max_seq_len=CACHE_LEN)
+        holder["state"], out, _, _ = steps.speculative(st, samp, greedy_only=True, max_seq_len=CACHE_LEN)
         out.block_until_ready()
 
     step = median_ms(full, repeats)
@@ -119,13 +119,19 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
     lite = SpecState(None, None, seq0, st.root, st.draft_hidden)
 
     # Each phase alone, jitted on the same shapes, its inputs produced by the earlier phase.
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def j_draft(ds, dcache, st):
-        return draft_tree(nnx.merge(dg, ds), dcache, st, cfg)
+    def draft_of(dp):
+        return bd.modules((dp,))[0]
+
+    def target_of(tp):
+        return bt.modules((tp,))[0]
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def j_verify(ts, tcache, seq, tree):
-        return verify_tree(nnx.merge(tg, ts), tcache, seq, tree)
+    def j_draft(dp, dcache, st):
+        return draft_tree(draft_of(dp), dcache, st, cfg)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def j_verify(tp, tcache, seq, tree):
+        return verify_tree(target_of(tp), tcache, seq, tree)
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def j_accept_commit(logits, tree, seq, tcache, feats):
@@ -134,20 +140,20 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
         return tcache, acc_feats, out, acc_len
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def j_extend(ds, dcache, out, acc_feats, seq, acc_len):
-        return _draft_extend(nnx.merge(dg, ds), dcache, out, acc_feats, seq, acc_len - 1)
+    def j_extend(dp, dcache, out, acc_feats, seq, acc_len):
+        return _draft_extend(draft_of(dp), dcache, out, acc_feats, seq, acc_len - 1)
 
     h = {"d": st.draft_cache, "t": st.target_cache}
-    tree, h["d"] = j_draft(ds, h["d"], lite)
-    logits, feats, h["t"] = j_verify(ts, h["t"], seq0, tree)
+    tree, h["d"] = j_draft(dp, h["d"], lite)
+    logits, feats, h["t"] = j_verify(tp, h["t"], seq0, tree)
     h["t"], acc_feats, out, acc_len = j_accept_commit(logits, tree, seq0, h["t"], feats)
 
     def p_draft():
-        tr, h["d"] = j_draft(ds, h["d"], lite)
+        tr, h["d"] = j_draft(dp, h["d"], lite)
         tr.tokens.block_until_ready()
 
     def p_verify():
-        lg, _, h["t"] = j_verify(ts, h["t"], seq0, tree)
+        lg, _, h["t"] = j_verify(tp, h["t"], seq0, tree)
         lg.block_until_ready()
 
     def p_accept():
@@ -155,7 +161,7 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
         o.block_until_ready()
 
     def p_extend():
-        g, h["d"] = j_extend(ds, h["d"], out, acc_feats, seq0, acc_len)
+        g, h["d"] = j_extend(dp, h["d"], out, acc_feats, seq0, acc_len)
         g.block_until_ready()
 
     phases = {k: median_ms(f, repeats) for k, f in [("draft", p_draft), ("verify", p_verify), ("accept_commit", p_accept), ("draft_extend", p_extend)]}

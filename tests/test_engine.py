@@ -145,10 +145,10 @@ def test_detect_nan_names_request_and_step(tmp_path, draft):
 def test_failed_compile_raises_the_original_error_and_leaves_no_engine(monkeypatch, target, draft):
     import eagle_jax.engine as engine_mod
 
-    def broken(*args, **kwargs):
+    def broken(self, *args, **kwargs):
         raise RuntimeError("injected compile failure")
 
-    monkeypatch.setattr(engine_mod, "speculative_step", broken)
+    monkeypatch.setattr(engine_mod.SpecSteps, "speculative", broken)
     gc.collect()
     before = sum(isinstance(o, Engine) for o in gc.get_objects())
     with pytest.raises(RuntimeError, match="injected compile failure") as info:

@@ -272,20 +272,19 @@ def test_tree_attention_path_matches_dense_mask(target, draft, prompts):
     the kernel on GPUs) gives the dense-mask XLA path's logits, features and cache."""
     import jax.numpy as jnp
 
-    from eagle_jax.speculative import draft_tree, new_state, spec_prefill, verify_tree
     from eagle_jax.sampling import SamplingArrays
-    from flax import nnx
+    from eagle_jax.speculative import SpecSteps, draft_tree, new_state, verify_tree
 
     cfg = TREES[1]
-    tg, ts = nnx.split(target)
-    dg, ds = nnx.split(draft)
     b = 3
     toks = np.zeros((b, 16), np.int32)
     for i in range(b):
         toks[i, : len(prompts[i])] = prompts[i]
     lengths = jnp.asarray([len(p) for p in prompts[:b]], jnp.int32)
-    state, _ = spec_prefill(tg, ts, dg, ds, new_state(target, draft, cfg, b, 64), jnp.asarray(toks), lengths,
-                            SamplingArrays.build([SamplingParams()] * b, b), greedy_only=True)
+    state, _ = SpecSteps(target, draft, cfg).prefill(
+        new_state(target, draft, cfg, b, 64), jnp.asarray(toks), lengths, SamplingArrays.build([SamplingParams()] * b, b),
+        greedy_only=True,
+    )
     tree, _ = draft_tree(draft, state.draft_cache, state, cfg)
     assert len(set(np.asarray(tree.depths).ravel().tolist())) > 2  # a real tree, several depths
     dense = verify_tree(target, state.target_cache, state.seq_lens, tree)

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Engine throughput with speculation always on, always off, and with the batch-size cutoff.
+
+On SmolLM2 (float32) at batch sizes 1, 4, 16 and 64 (that many requests arriving at
+once, greedy, --new-tokens each), for one draft: tokens/s per mode, the cutoff's loss
+against the better of on and off, and the host share of the step time at batch 1.
+"Off" keeps the draft in sync (the plain step with a 1-token draft extend), which is
+what the cutoff runs above its threshold. Saves results/bench_engine.json.
+
+    python scripts/bench_engine.py --draft DIR [--threshold N] [--new-tokens 32]
+
+Without --draft it uses a random draft (accept length ~1): speculation then never pays,
+and the table shows only the cost of the machinery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+
+from eagle_jax.checkpoint.draft_io import load_draft, random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.cli import default_model_dir
+from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import SpeculativeConfig
+from eagle_jax.tokenizer import Tokenizer
+
+TOPICS = ["the sky", "rivers", "volcanoes", "bread", "chess", "bees", "the moon", "trains", "music", "glass", "rain", "maps", "tea", "clocks", "whales", "paper"]
+
+
+def run(engine: Engine, prompts, sp) -> dict:
+    engine.generate(prompts[:1], sp)  # warm the host path
+    m = engine.metrics
+    before = (m.tokens, m.wall_s, m.host_s, m.spec_steps, m.plain_steps)
+    t = time.perf_counter()
+    out = engine.generate(prompts, sp)
+    wall = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for c in out)
+    host = m.host_s - before[2]
+    steps = (m.spec_steps - before[3]) + (m.plain_steps - before[4])
+    accepts = [a for c in out for a in c.accept_lengths]
+    return {
+        "tokens_per_s": tokens / wall,
+        "host_fraction": host / max(m.wall_s - before[1], 1e-9),
+        "steps": steps,
+        "spec_steps": m.spec_steps - before[3],
+        "mean_accept_length": sum(accepts) / len(accepts) if accepts else None,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--draft", type=Path, default=None)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threshold", type=int, default=4, help="spec_disable_batch_threshold of the cutoff engine")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
+    args = ap.parse_args()
+    model_dir = args.model or default_model_dir()
+    tok = Tokenizer.from_dir(model_dir)
+    target = load_model(model_dir, dtype="float32")
+    draft = load_draft(args.draft, target=target) if args.draft else random_draft(target.config, seed=0, draft_vocab_size=8192)
+    questions = [f"Tell me one fact about {t}." for t in TOPICS]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    top = max(args.batches)
+    base = dict(max_batch=top, max_seq_len=128, batch_buckets=tuple(sorted(set(args.batches))), prompt_buckets=(64, 128))
+    spec = SpeculativeConfig(num_steps=args.steps)
+    modes = {
+        "on": EngineConfig(speculative=spec, **base),
+        "off": EngineConfig(speculative=spec, spec_disable_batch_threshold=0, **base),
+        "cutoff": EngineConfig(speculative=spec, spec_disable_batch_threshold=args.threshold, **base),
+    }
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2 float32; "
+          f"draft {args.draft or 'random (8192 vocab)'}; chain S={args.steps}; cutoff threshold {args.threshold}")
+    table = {}
+    for name, cfg in modes.items():
+        t = time.perf_counter()
+        engine = Engine(target, draft, cfg, tok, progress=False)
+        print(f"{name}: built in {time.perf_counter() - t:.0f} s")
+        for b in args.batches:
+            table.setdefault(b, {})[name] = run(engine, [prompts[i % len(prompts)] for i in range(b)], sp)
+        del engine
+    print(f"\n{'batch':>6}{'on tok/s':>10}{'off tok/s':>11}{'cutoff':>9}{'cutoff vs best':>16}{'host % on/off':>15}")
+    rows = []
+    for b in args.batches:
+        r = table[b]
+        best = max(r["on"]["tokens_per_s"], r["off"]["tokens_per_s"])
+        loss = 1 - r["cutoff"]["tokens_per_s"] / best
+        host = f"{100 * r['on']['host_fraction']:.1f}/{100 * r['off']['host_fraction']:.1f}"
+        print(f"{b:>6}{r['on']['tokens_per_s']:>10.1f}{r['off']['tokens_per_s']:>11.1f}{r['cutoff']['tokens_per_s']:>9.1f}{-100 * loss:>15.1f}%{host:>15}")
+        rows.append({"batch": b, **{k: v for k, v in r.items()}, "cutoff_loss_vs_best": loss})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"draft": str(args.draft or "random"), "threshold": args.threshold, "steps": args.steps,
+                                    "new_tokens": args.new_tokens, "rows": rows}, indent=2))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
