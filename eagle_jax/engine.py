@@ -492,17 +492,14 @@ class Engine:
         tokens = np.zeros((1, p_len), np.int32)
         tokens[0, : len(req.prompt)] = req.prompt
         samp = SamplingArrays.build([req.params], 1)
-        row_state, first = self._steps.prefill(
-            self._fresh_row(), jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp,
-            greedy_only=False,
+        row_state, first = self._steps.prefill_new(
+            jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp,
+            greedy_only=False, max_seq_len=self.config.max_seq_len,
         )
         self._state = _insert_row(self._state, row_state, np.int32(row))
         self._slots[row] = req
         self._samp_dirty = True
         self._first_tokens.append((req, first))
-
-    def _fresh_row(self) -> SpecState:
-        return new_state(self.target, self.draft, self._spec_sizing, 1, self.config.max_seq_len)
 
     def _samp(self) -> SamplingArrays:
         if self._samp_dirty:
@@ -664,9 +661,9 @@ def _compile_all(parts: dict, progress: bool) -> int:
 
     samp1 = SamplingArrays.build([], 1)
     for p in cfg.prompt_buckets:
-        jobs.append((f"prefill prompt {p}", lambda p=p: steps.prefill(
-            fresh(1), jax.device_put(np.zeros((1, p), np.int32)), jax.device_put(np.ones((1,), np.int32)),
-            samp1, greedy_only=False)[1]))
+        jobs.append((f"prefill prompt {p}", lambda p=p: steps.prefill_new(
+            jax.device_put(np.zeros((1, p), np.int32)), jax.device_put(np.ones((1,), np.int32)),
+            samp1, greedy_only=False, max_seq_len=cfg.max_seq_len)[1]))
     modes = [False] + ([True] if cfg.speculative is not None else [])
     for b in cfg.batch_buckets:
         samp = SamplingArrays.build([], b)

@@ -496,6 +496,13 @@ class SpecSteps:
             t, d = bound.modules(params)
             return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=greedy_only)
 
+        def prefill_new(params, tokens, lengths, samp, *, greedy_only, max_seq_len):
+            # The zeroed caches are made inside the graph: made eagerly, each array is an
+            # op that queues behind the running step and stalls the host.
+            t, d = bound.modules(params)
+            state = new_state(t, d, spec or SpeculativeConfig(num_steps=1), tokens.shape[0], max_seq_len)
+            return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=greedy_only)
+
         def speculative(params, state, samp, oracle=None, *, greedy_only, max_seq_len, oracle_noise=0.0):
             t, d = bound.modules(params)
             return speculative_step_impl(
@@ -509,6 +516,7 @@ class SpecSteps:
 
         donate = dict(donate_argnames=("state",))
         self._prefill = jax.jit(prefill, static_argnames=("greedy_only",), **donate)
+        self._prefill_new = jax.jit(prefill_new, static_argnames=("greedy_only", "max_seq_len"))
         self._speculative = jax.jit(speculative, static_argnames=("greedy_only", "max_seq_len", "oracle_noise"), **donate)
         self._plain = jax.jit(plain, static_argnames=("greedy_only", "max_seq_len"), **donate)
         self.has_draft = draft is not None
@@ -517,6 +525,10 @@ class SpecSteps:
     def prefill(self, state: SpecState, tokens, lengths, samp: SamplingArrays, *, greedy_only: bool):
         """(state, first token [B])."""
         return self._prefill(self.params, state, tokens, lengths, samp, greedy_only=greedy_only)
+
+    def prefill_new(self, tokens, lengths, samp: SamplingArrays, *, greedy_only: bool, max_seq_len: int):
+        """``prefill`` into a fresh state sized for ``max_seq_len``: (state, first token [B])."""
+        return self._prefill_new(self.params, tokens, lengths, samp, greedy_only=greedy_only, max_seq_len=max_seq_len)
 
     def speculative(self, state: SpecState, samp: SamplingArrays, oracle=None, *, greedy_only: bool, max_seq_len: int, oracle_noise: float = 0.0):
         """(state, out_tokens [B, S+1], accept_length [B], finite [B] or None)."""
