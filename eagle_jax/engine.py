@@ -230,8 +230,9 @@ class EngineMetrics:
     accepted_at_depth: np.ndarray | None = None  # [S] drafts accepted at depth d+1
     spec_rows: int = 0  # row-steps with speculation (the denominator per depth)
     tokens: int = 0
-    host_s: float = 0.0
-    device_wait_s: float = 0.0
+    host_s: float = 0.0  # Python work of the host loop
+    device_wait_s: float = 0.0  # blocked reading results
+    dispatch_s: float = 0.0  # inside calls that launch device work (they block when the device queue is full)
     wall_s: float = 0.0
     compiles_at_ready: int = 0  # process-wide compile count when the engine became ready
     mode_switches: int = 0
@@ -252,6 +253,7 @@ class EngineMetrics:
             "tokens_per_second": self.tokens / self.wall_s if self.wall_s else 0.0,
             "host_s": round(self.host_s, 4),
             "device_wait_s": round(self.device_wait_s, 4),
+            "dispatch_s": round(self.dispatch_s, 4),
             "host_fraction": self.host_s / self.wall_s if self.wall_s else 0.0,
             "compiles_after_warmup": compile_count() - self.compiles_at_ready,
         }
@@ -399,6 +401,7 @@ class Engine:
     def step(self) -> None:
         """One iteration: admit, pick the mode, dispatch, then handle the previous step."""
         t_start = time.perf_counter()
+        dispatch_before = self.metrics.dispatch_s
         self._free_finished_slots()
         self._admit()
         self._maybe_shrink()
@@ -411,7 +414,15 @@ class Engine:
         m = self.metrics
         m.wall_s += time.perf_counter() - t_start
         m.device_wait_s += wait
-        m.host_s += time.perf_counter() - t_start - wait
+        m.host_s += time.perf_counter() - t_start - wait - (m.dispatch_s - dispatch_before)
+
+    def _launch(self, fn, *args, **kwargs):
+        """Call a jitted function, counting the time as dispatch, not host work."""
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.metrics.dispatch_s += time.perf_counter() - t
 
     def run_until_done(self) -> None:
         while self.has_unfinished():
@@ -472,7 +483,7 @@ class Engine:
         """Gather the live rows into a state of ``new_b`` rows (a bucket change)."""
         live = [i for i, r in enumerate(self._slots) if r is not None]
         rows = live + [0] * (new_b - len(live))  # padding rows copy row 0; they are free slots
-        self._state = _gather_rows(self._state, jax.device_put(np.asarray(rows[:new_b], np.int32)))
+        self._state = self._launch(_gather_rows, self._state, jax.device_put(np.asarray(rows[:new_b], np.int32)))
         self._slots = [self._slots[i] for i in live] + [None] * (new_b - len(live))
         self._samp_dirty = True
 
@@ -492,11 +503,11 @@ class Engine:
         tokens = np.zeros((1, p_len), np.int32)
         tokens[0, : len(req.prompt)] = req.prompt
         samp = SamplingArrays.build([req.params], 1)
-        row_state, first = self._steps.prefill_new(
-            jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp,
+        row_state, first = self._launch(
+            self._steps.prefill_new, jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp,
             greedy_only=False, max_seq_len=self.config.max_seq_len,
         )
-        self._state = _insert_row(self._state, row_state, np.int32(row))
+        self._state = self._launch(_insert_row, self._state, row_state, np.int32(row))
         self._slots[row] = req
         self._samp_dirty = True
         self._first_tokens.append((req, first))
@@ -530,11 +541,10 @@ class Engine:
         samp = self._samp()
         spec = self._choose_mode(b)
         kw = dict(greedy_only=self._greedy_only, max_seq_len=self.config.max_seq_len)
+        out = self._launch(self._steps.speculative if spec else self._steps.plain, self._state, samp, **kw)
         if spec:
-            out = self._steps.speculative(self._state, samp, **kw)
             self.metrics.spec_steps += 1
         else:
-            out = self._steps.plain(self._state, samp, **kw)
             self.metrics.plain_steps += 1
         self._state, tokens, acc, finite = out
         self._step_no += 1

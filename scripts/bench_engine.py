@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -34,22 +35,23 @@ from eagle_jax.tokenizer import Tokenizer
 TOPICS = ["the sky", "rivers", "volcanoes", "bread", "chess", "bees", "the moon", "trains", "music", "glass", "rain", "maps", "tea", "clocks", "whales", "paper"]
 
 
-def run(engine: Engine, prompts, sp) -> dict:
+def run(engine: Engine, prompts, sp, repeats: int) -> dict:
+    """Median tokens/s over ``repeats`` runs of the prompts (after one warm-up request)."""
     engine.generate(prompts[:1], sp)  # warm the host path
     m = engine.metrics
-    before = (m.tokens, m.wall_s, m.host_s, m.spec_steps, m.plain_steps)
-    t = time.perf_counter()
-    out = engine.generate(prompts, sp)
-    wall = time.perf_counter() - t
-    tokens = sum(len(c.token_ids) for c in out)
-    host = m.host_s - before[2]
-    steps = (m.spec_steps - before[3]) + (m.plain_steps - before[4])
+    rates, hosts = [], []
+    for _ in range(repeats):
+        before = (m.wall_s, m.host_s, m.spec_steps)
+        t = time.perf_counter()
+        out = engine.generate(prompts, sp)
+        rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t))
+        hosts.append((m.host_s - before[1]) / max(m.wall_s - before[0], 1e-9))
     accepts = [a for c in out for a in c.accept_lengths]
     return {
-        "tokens_per_s": tokens / wall,
-        "host_fraction": host / max(m.wall_s - before[1], 1e-9),
-        "steps": steps,
-        "spec_steps": m.spec_steps - before[3],
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_runs": rates,
+        "host_fraction": statistics.median(hosts),
+        "spec_steps_last_run": m.spec_steps - before[2],
         "mean_accept_length": sum(accepts) / len(accepts) if accepts else None,
     }
 
@@ -62,6 +64,7 @@ def main():
     ap.add_argument("--threshold", type=int, default=4, help="spec_disable_batch_threshold of the cutoff engine")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
     args = ap.parse_args()
     model_dir = args.model or default_model_dir()
@@ -82,13 +85,15 @@ def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2 float32; "
           f"draft {args.draft or 'random (8192 vocab)'}; chain S={args.steps}; cutoff threshold {args.threshold}")
     table = {}
+    engines = {}
     for name, cfg in modes.items():
         t = time.perf_counter()
-        engine = Engine(target, draft, cfg, tok, progress=False)
+        engines[name] = Engine(target, draft, cfg, tok, progress=False)
         print(f"{name}: built in {time.perf_counter() - t:.0f} s")
-        for b in args.batches:
-            table.setdefault(b, {})[name] = run(engine, [prompts[i % len(prompts)] for i in range(b)], sp)
-        del engine
+    # Modes interleaved per batch size, so slow drifts of the machine hit them alike.
+    for b in args.batches:
+        for name, engine in engines.items():
+            table.setdefault(b, {})[name] = run(engine, [prompts[i % len(prompts)] for i in range(b)], sp, args.repeats)
     print(f"\n{'batch':>6}{'on tok/s':>10}{'off tok/s':>11}{'cutoff':>9}{'cutoff vs best':>16}{'host % on/off':>15}")
     rows = []
     for b in args.batches:
