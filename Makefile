@@ -5,10 +5,11 @@ VPY := $(VENV)/bin/python
 MODEL_DIR := checkpoints/smollm2-135m-instruct
 WHEEL_DIR := .cache/wheels
 # Find a Python 3.12+: the system python3.12, else pyenv's 3.12.x (its shim refuses
-# unless the version is selected), else fail with a clear message.
+# unless the version is selected; found without the pyenv command too), else fail clearly.
 PYTHON312 := $(shell \
   if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' >/dev/null 2>&1; then echo python3.12; \
   elif command -v pyenv >/dev/null 2>&1 && v=$$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | head -1) && [ -n "$$v" ]; then echo "$$(pyenv root)/versions/$$v/bin/python3"; \
+  else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3 2>/dev/null | head -1; \
   fi)
 
 .PHONY: venv install install-test model demo test test-fast bench clean-model
