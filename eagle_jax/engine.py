@@ -41,7 +41,7 @@ import numpy as np
 
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.generate import RequestProgress
+from eagle_jax.generate import RequestProgress, check_prompt
 from eagle_jax.model import LlamaModel
 from eagle_jax.sampling import SamplingArrays, SamplingParams
 from eagle_jax.speculative import SpeculativeConfig, SpecState, SpecSteps, new_state
@@ -349,12 +349,8 @@ class Engine:
         rid = request_id if request_id is not None else next(self._ids)
         if rid in self._requests:
             raise InputError(f"request id {rid!r} is already in use")
-        if not ids:
-            raise InputError(f"request {rid!r}: the prompt is empty")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"request {rid!r}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        # Length is checked below: the engine can truncate instead of refusing.
+        check_prompt(repr(rid), ids, None, self.target.config.vocab_size)
         truncated = False
         limit = self.config.max_seq_len
         if len(ids) >= limit:

@@ -208,11 +208,12 @@ class PaddedBatch:
         return PaddedBatch(b, p_len, s_len, tokens, lengths)
 
 
-def check_prompt(i: int, prompt: Sequence[int], max_seq_len: int, vocab_size: int) -> None:
-    """Reject an empty prompt, one with no room for a new token, or out-of-vocabulary ids."""
+def check_prompt(i, prompt: Sequence[int], max_seq_len: int | None, vocab_size: int) -> None:
+    """Reject an empty prompt, one with no room for a new token (unless ``max_seq_len`` is
+    None: the caller handles length), or out-of-vocabulary ids."""
     if len(prompt) == 0:
         raise InputError(f"prompt {i} is empty")
-    if len(prompt) >= max_seq_len:
+    if max_seq_len is not None and len(prompt) >= max_seq_len:
         raise InputError(
             f"prompt {i} has {len(prompt)} tokens; the context holds {max_seq_len} "
             f"(max_seq_len), leaving no room for a new token"

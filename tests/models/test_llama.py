@@ -2,7 +2,6 @@
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 from eagle_jax.checkpoint.hf import load_model
