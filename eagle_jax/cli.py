@@ -1,4 +1,5 @@
-"""The ``eagle-jax`` command line: ``generate``, ``import-gguf`` and ``doctor``.
+"""The ``eagle-jax`` command line: ``generate``, ``import-gguf``, ``doctor``, ``draft-data``
+and ``train-draft``.
 
 Errors that are the user's to fix (bad input, bad checkpoint) print one ``error:`` line
 and exit with status 2; anything else is a bug and keeps its traceback.
@@ -75,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_import_gguf)
 
     from eagle_jax import doctor
+    from eagle_jax.train import commands as train_commands
 
     doctor.add_parser(sub)
+    train_commands.add_parsers(sub)
     return p
 
 

@@ -1,0 +1,396 @@
+"""EAGLE-3 draft training with training-time test (TTT).
+
+The draft is unrolled ``ttt_length`` steps over every position at once, feeding its own
+output back, exactly as it runs at inference (``speculative.draft_tree``):
+
+- anchor i is the last position whose target feature the draft gets; step 0 at anchor i
+  reads (fc(feature_i), token_{i+1}) at RoPE position i and predicts token_{i+2};
+- step t at anchor i reads (its own step t-1 output at anchor i, token_{i+t+1}) at
+  position i+t, predicts token_{i+t+2}, and attends to step-0 rows 0..i plus its own
+  rows of steps 1..t (the draft KV it would have written while drafting).
+
+The draft's attention layer is run unchanged on a ``ttt_length * L``-slot KV cache with
+that mask, so training and inference share one implementation of the layer.
+
+Loss at step t: cross-entropy between the draft's distribution and the target's, both
+over the draft vocabulary, on positions whose predicted token is a response token and
+whose target argmax lies in the draft vocabulary; total = sum_t decay^t * loss_t.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from eagle_jax.draft import DraftConfig, Eagle3Draft
+from eagle_jax.errors import ConfigError
+from eagle_jax.model import KVCache, LlamaModel
+from eagle_jax.train.data import FeatureSet
+
+log = logging.getLogger(__name__)
+
+TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embed_tokens")))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Draft training settings (validated on construction).
+
+    ``batch_size`` sequences per step; ``epochs`` passes over the data (fractions allowed);
+    ``ttt_length`` unrolled draft steps (the reference uses 7; at least the number of
+    speculative steps you will run); ``step_decay`` weight ratio between consecutive steps;
+    ``intermediate_size`` of the draft's MLP (None: the target's).
+    """
+
+    draft_vocab_size: int = 8192
+    ttt_length: int = 7
+    step_decay: float = 0.8
+    learning_rate: float = 3e-4
+    min_learning_rate_ratio: float = 0.1
+    warmup_steps: int = 20
+    batch_size: int = 8
+    epochs: float = 2.0
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    intermediate_size: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("draft_vocab_size", "ttt_length", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        for name in ("learning_rate", "epochs", "grad_clip"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name}={v!r} must be a finite number > 0")
+        for name in ("step_decay", "min_learning_rate_ratio"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ConfigError(f"{name}={v!r} must be in (0, 1]")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int) or self.intermediate_size < 1):
+            raise ConfigError(f"intermediate_size={self.intermediate_size!r} must be an integer >= 1 or None")
+
+
+# ----------------------------------------------------------------------------- vocabulary and init
+
+
+def select_draft_vocab(data: FeatureSet, draft_vocab_size: int, vocab_size: int) -> np.ndarray:
+    """The ``draft_vocab_size`` target ids most frequent among the response tokens,
+    sorted ascending (ties broken by the lower id). Ids never seen fill the rest in id
+    order, so the size is always exact."""
+    if draft_vocab_size > vocab_size:
+        raise ConfigError(f"draft_vocab_size={draft_vocab_size} exceeds the target vocabulary {vocab_size}")
+    counts = np.zeros(vocab_size, np.int64)
+    tokens = np.asarray(data.tokens)
+    for row, p, n in zip(tokens, np.asarray(data.prompt_lengths), np.asarray(data.lengths)):
+        np.add.at(counts, row[p:n], 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
+    return np.sort(order[:draft_vocab_size]).astype(np.int64)
+
+
+def vocab_coverage(data: FeatureSet, ids: np.ndarray, vocab_size: int) -> float:
+    """Fraction of response tokens inside the draft vocabulary ``ids``."""
+    member = np.zeros(vocab_size, bool)
+    member[ids] = True
+    tokens = np.asarray(data.tokens)
+    hits = total = 0
+    for row, p, n in zip(tokens, np.asarray(data.prompt_lengths), np.asarray(data.lengths)):
+        hits += int(member[row[p:n]].sum())
+        total += int(n - p)
+    return hits / max(total, 1)
+
+
+def init_draft(target: LlamaModel, ids: np.ndarray, cfg: TrainConfig) -> Eagle3Draft:
+    """A fresh draft for ``target`` over the draft vocabulary ``ids``.
+
+    The embedding is the target's (shared, frozen, not saved); the head starts from the
+    target's head columns for ``ids`` and the final norm from the target's, so step 0
+    starts from "predict like the target's last layer"; the rest is random (seeded).
+    """
+    tcfg = target.config
+    overrides: dict[str, Any] = {"draft_vocab_size": int(len(ids))}
+    if cfg.intermediate_size is not None:
+        overrides["intermediate_size"] = cfg.intermediate_size
+    dcfg = DraftConfig.for_target(tcfg, **overrides)
+    draft = Eagle3Draft(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+    draft.embed_tokens[...] = target.embed_tokens[...].astype(jnp.float32)
+    draft.lm_head[...] = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
+    # Copies, never the target's own arrays: the trainer donates the draft's parameters.
+    draft.norm.weight[...] = jnp.array(target.norm.weight[...], dtype=jnp.float32, copy=True)
+    draft.d2t[...] = jnp.asarray((ids - np.arange(len(ids))).astype(np.int32))
+    t2d = np.zeros(tcfg.vocab_size, bool)
+    t2d[ids] = True
+    draft.t2d[...] = jnp.asarray(t2d)
+    return draft
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def ttt_mask(length: int, ttt_length: int) -> np.ndarray:
+    """``[ttt_length, L, ttt_length * L]``: what step t's row at anchor i may attend to
+    (step-0 slots 0..i and slot ``s*L + i`` of steps 1..t)."""
+    m = np.zeros((ttt_length, length, ttt_length * length), bool)
+    causal = np.tril(np.ones((length, length), bool))
+    eye = np.eye(length, dtype=bool)
+    for t in range(ttt_length):
+        m[t, :, :length] = causal
+        for s in range(1, t + 1):
+            m[t, :, s * length:(s + 1) * length] = eye
+    return m
+
+
+def _shift(x, k: int):
+    """x[:, k:] padded at the end with zeros to the same length."""
+    pad = [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad)[:, k:k + x.shape[1]]
+
+
+def ttt_forward(
+    draft: Eagle3Draft, tokens: jax.Array, features: jax.Array, *, ttt_length: int
+) -> list[jax.Array]:
+    """The unrolled draft over every anchor: per step t, the draft's logits ``[B, L, Vd]``
+    at anchor i predict token ``i + t + 2`` (see the module docstring).
+
+    Args:
+      tokens: [B, L] the sequence's tokens (the true tokens are fed at every step).
+      features: [B, L, F] the target's fused-layer features.
+    """
+    b, l = tokens.shape
+    masks = ttt_mask(l, ttt_length)
+    anchors = jnp.arange(l)[None, :]
+    dcfg = draft.config
+    shape = (b, ttt_length * l, dcfg.num_key_value_heads, dcfg.head_dim)
+    cache = KVCache(k=[jnp.zeros(shape, jnp.float32)], v=[jnp.zeros(shape, jnp.float32)])
+    hidden = draft.fuse(features.astype(jnp.float32))
+    out = []
+    for t in range(ttt_length):
+        pos = jnp.broadcast_to(anchors + t, (b, l))
+        slots = jnp.broadcast_to(anchors + t * l, (b, l))
+        mask = jnp.broadcast_to(masks[t], (b, l, ttt_length * l))
+        hidden, cache = draft(_shift(tokens, t + 1), hidden, pos, cache, slots, mask)
+        out.append(draft.logits(hidden))
+    return out
+
+
+def ttt_loss(
+    draft: Eagle3Draft,
+    target_head: jax.Array,
+    batch: dict[str, jax.Array],
+    *,
+    ttt_length: int,
+    step_decay: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The TTT loss of one batch.
+
+    Args:
+      draft: the draft.
+      target_head: ``[Ht, Vd]`` the target's head columns of the draft vocabulary.
+      batch: tokens [B, L], lengths [B], prompt_lengths [B], features [B, L, F],
+        target_hidden [B, L, Ht], target_argmax [B, L].
+
+    Returns:
+      (weighted loss, {"loss": [ttt] per-step losses, "acc": [ttt] top-1 agreement with
+      the target's argmax, "count": [ttt] positions counted}).
+    """
+    tokens = batch["tokens"]
+    l = tokens.shape[1]
+    lengths, plens = batch["lengths"][:, None], batch["prompt_lengths"][:, None]
+    in_draft = draft.t2d[...]
+    t2d_index = jnp.cumsum(in_draft) - 1  # draft id of each target id in the vocabulary
+    anchors = jnp.arange(l)[None, :]
+    total = 0.0
+    losses, accs, counts = [], [], []
+    for t, logits in enumerate(ttt_forward(draft, tokens, batch["features"], ttt_length=ttt_length)):
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, L, Vd]
+        # The target's prediction of token i+t+2 is made at position i+t+1.
+        t_hidden = _shift(batch["target_hidden"], t + 1).astype(jnp.float32)
+        t_argmax = _shift(batch["target_argmax"], t + 1)
+        p_target = jax.nn.softmax(jax.lax.stop_gradient(t_hidden @ target_head), axis=-1)
+        label_pos = anchors + t + 2
+        valid = (label_pos < lengths) & (label_pos >= plens) & in_draft[t_argmax]
+        w = valid.astype(jnp.float32)
+        n = jnp.maximum(w.sum(), 1.0)
+        ce = -(p_target * logp).sum(-1)
+        loss_t = (ce * w).sum() / n
+        acc_t = ((jnp.argmax(logp, -1) == t2d_index[t_argmax]) * w).sum() / n
+        total = total + (step_decay ** t) * loss_t
+        losses.append(loss_t)
+        accs.append(acc_t)
+        counts.append(w.sum())
+    return total, {"loss": jnp.stack(losses), "acc": jnp.stack(accs), "count": jnp.stack(counts)}
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def _length_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator, round_to: int, max_len: int):
+    """Shuffled batches of similar length: shuffle, sort within windows of 16 batches,
+    split, shuffle the batches. Yields (indices, padded length)."""
+    order = rng.permutation(len(lengths))
+    window = batch_size * 16
+    batches = []
+    for lo in range(0, len(order), window):
+        w = order[lo:lo + window]
+        w = w[np.argsort(lengths[w], kind="stable")]
+        batches += [w[i:i + batch_size] for i in range(0, len(w), batch_size)]
+    for j in rng.permutation(len(batches)):
+        idx = batches[j]
+        l = int(min(max_len, -(-int(lengths[idx].max()) // round_to) * round_to))
+        yield idx, l
+
+
+def _batch_arrays(data: FeatureSet, idx: np.ndarray, length: int, batch_size: int) -> dict[str, np.ndarray]:
+    idx = np.sort(idx)
+    pad = batch_size - len(idx)
+    out = {}
+    for name in ("tokens", "features", "target_hidden", "target_argmax"):
+        x = np.asarray(getattr(data, name)[idx, :length])
+        out[name] = np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    # Padding rows get length 0: nothing in them is counted.
+    out["lengths"] = np.pad(np.asarray(data.lengths[idx]), (0, pad))
+    out["prompt_lengths"] = np.pad(np.asarray(data.prompt_lengths[idx]), (0, pad))
+    return out
+
+
+class DraftTrainer:
+    """Trains ``draft`` on a FeatureSet with AdamW (0.9, 0.95), warm-up + cosine decay,
+    global-norm clipping. The embedding and vocabulary maps stay fixed."""
+
+    def __init__(self, draft: Eagle3Draft, target: LlamaModel, cfg: TrainConfig, total_steps: int):
+        self.cfg = cfg
+        ids = np.asarray(draft.d2t[...]) + np.arange(draft.config.draft_vocab_size)
+        self.target_head = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
+        self.graph, self.params, self.frozen = nnx.split(draft, TRAINABLE, ...)
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
+            end_value=cfg.learning_rate * cfg.min_learning_rate_ratio,
+        )
+        self.schedule = schedule
+        self.opt = optax.chain(
+            optax.clip_by_global_norm(cfg.grad_clip),
+            optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
+        )
+        self.opt_state = self.opt.init(self.params)
+        self.step_count = 0
+        kw = dict(ttt_length=cfg.ttt_length, step_decay=cfg.step_decay)
+
+        def loss_fn(params, frozen, head, batch):
+            return ttt_loss(nnx.merge(self.graph, params, frozen), head, batch, **kw)
+
+        def train_step(params, opt_state, frozen, head, batch):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, head, batch)
+            updates, opt_state = self.opt.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            aux["grad_norm"] = optax.tree.norm(grads)
+            return params, opt_state, loss, aux
+
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._eval = jax.jit(loss_fn)
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return nnx.merge(self.graph, self.params, self.frozen)
+
+    def step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        self.params, self.opt_state, loss, aux = self._train_step(self.params, self.opt_state, self.frozen, self.target_head, batch)
+        self.step_count += 1
+        return {"loss": loss, "step_loss": aux["loss"], "acc": aux["acc"], "grad_norm": aux["grad_norm"]}
+
+    def evaluate(self, data: FeatureSet, *, round_to: int = 64) -> dict[str, np.ndarray]:
+        """Per-step loss and top-1 agreement over a whole set (weighted by positions)."""
+        bs = self.cfg.batch_size
+        loss = acc = cnt = 0.0
+        max_len = data.tokens.shape[1]
+        for idx, l in _length_batches(np.asarray(data.lengths), bs, np.random.default_rng(0), round_to, max_len):
+            _, aux = self._eval(self.params, self.frozen, self.target_head, _batch_arrays(data, idx, l, bs))
+            c = np.asarray(aux["count"])
+            loss = loss + np.asarray(aux["loss"]) * c
+            acc = acc + np.asarray(aux["acc"]) * c
+            cnt = cnt + c
+        cnt = np.maximum(cnt, 1)
+        return {"loss": loss / cnt, "acc": acc / cnt}
+
+
+def expected_accept_length(acc: np.ndarray) -> float:
+    """Chain accept length implied by per-step top-1 agreements (each step conditional
+    on the previous ones being right): 1 + sum_k prod_{j<=k} acc_j."""
+    out, run = 1.0, 1.0
+    for a in np.asarray(acc, float):
+        run *= a
+        out += run
+    return out
+
+
+def train_draft(
+    target: LlamaModel,
+    data: FeatureSet,
+    cfg: TrainConfig,
+    *,
+    eval_data: FeatureSet | None = None,
+    round_to: int = 64,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+    log_every: int = 10,
+) -> tuple[Eagle3Draft, list[dict[str, Any]]]:
+    """Select the draft vocabulary, initialise and train a draft. Returns (draft, history).
+
+    ``history`` holds one record per logged step and one per evaluation (per epoch end
+    when ``eval_data`` is given); ``on_log`` sees each record as it is made.
+    """
+    ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
+    coverage = vocab_coverage(data, ids, target.config.vocab_size)
+    log.info("draft vocabulary: %d ids cover %.2f%% of the response tokens", len(ids), 100 * coverage)
+    draft = init_draft(target, ids, cfg)
+    lengths = np.asarray(data.lengths)
+    steps_per_epoch = -(-len(data) // cfg.batch_size)
+    total = max(1, int(round(cfg.epochs * steps_per_epoch)))
+    trainer = DraftTrainer(draft, target, cfg, total)
+    history: list[dict[str, Any]] = []
+
+    def emit(rec):
+        history.append(rec)
+        if on_log is not None:
+            on_log(rec)
+
+    emit({"event": "vocab", "draft_vocab_size": len(ids), "coverage": coverage})
+
+    rng = np.random.default_rng(cfg.seed)
+    t0 = time.perf_counter()
+    max_len = data.tokens.shape[1]
+    epoch = 0
+    while trainer.step_count < total:
+        for idx, l in _length_batches(lengths, cfg.batch_size, rng, round_to, max_len):
+            if trainer.step_count >= total:
+                break
+            out = trainer.step(_batch_arrays(data, idx, l, cfg.batch_size))
+            if trainer.step_count % log_every == 0 or trainer.step_count == total:
+                emit({
+                    "event": "train", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
+                    "loss": float(out["loss"]), "step_loss": [round(float(x), 4) for x in out["step_loss"]], "acc": [round(float(a), 4) for a in out["acc"]],
+                    "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
+                    "elapsed_s": time.perf_counter() - t0,
+                })
+        epoch += 1
+        if eval_data is not None:
+            ev = trainer.evaluate(eval_data, round_to=round_to)
+            emit({
+                "event": "eval", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
+                "loss": [round(float(x), 4) for x in ev["loss"]], "acc": [round(float(x), 4) for x in ev["acc"]],
+                "expected_accept_length": expected_accept_length(ev["acc"]),
+                "elapsed_s": time.perf_counter() - t0,
+            })
+    return trainer.draft, history

@@ -1,0 +1,186 @@
+"""Draft training: the unrolled TTT forward is the drafting the engine does, the data
+files round-trip and reject bad input, and training on a tiny target's own outputs
+produces a draft that speculation accepts (with output still identical to greedy)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from eagle_jax.checkpoint.draft_io import load_draft, random_draft, save_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.generate import Buckets, Generator
+from eagle_jax.speculative import SpecState, SpeculativeConfig, _draft_extend, draft_tree, new_state, speculative_generate
+from eagle_jax.train.data import Conversation, FeatureSet, extract_features, read_conversations, write_conversations
+from eagle_jax.train.ttt import (
+    TrainConfig,
+    expected_accept_length,
+    select_draft_vocab,
+    train_draft,
+    ttt_forward,
+    ttt_mask,
+    vocab_coverage,
+)
+from hf_factories import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    hf = make_hf_model("llama3", seed=3)
+    with torch.no_grad():  # a peaky head: greedy continuations that are learnable, not uniform noise
+        hf.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("ttt_target")
+    hf.save_pretrained(path, safe_serialization=True)
+    return load_model(path)
+
+
+def test_ttt_mask_shape_and_blocks():
+    m = ttt_mask(4, 3)
+    assert m.shape == (3, 4, 12)
+    assert (m[0, :, :4] == np.tril(np.ones((4, 4), bool))).all() and not m[0, :, 4:].any()
+    # step 2, anchor 1: step-0 slots 0..1, then slot 1 of step 1 and slot 1 of step 2
+    assert np.flatnonzero(m[2, 1]).tolist() == [0, 1, 5, 9]
+
+
+@pytest.mark.parametrize("anchor", [0, 3, 6])
+def test_ttt_forward_is_chain_drafting(target, anchor):
+    """Feed the TTT forward the tokens a chain draft proposes: at every step its logits
+    reproduce draft_tree's choices and probabilities, i.e. training sees exactly the
+    positions, hidden states and attention the engine's drafting uses."""
+    draft = random_draft(target.config, seed=2, draft_vocab_size=97)
+    steps = 4
+    rng = np.random.default_rng(0)
+    length = 12
+    tokens = rng.integers(0, target.config.vocab_size, (1, length)).astype(np.int32)
+    features = rng.normal(size=(1, length, draft.config.fc_in_features)).astype(np.float32)
+    # The engine's state after committing tokens 0..anchor: the draft has run step 0 over
+    # (f_0..f_anchor, x_1..x_{anchor+1}); the root is x_{anchor+1}.
+    spec = SpeculativeConfig(num_steps=steps)
+    state = new_state(target, draft, spec, 1, 32)
+    n = anchor + 1
+    h, dcache = _draft_extend(
+        draft, state.draft_cache, jnp.asarray(tokens[:, 1:n + 1]), jnp.asarray(features[:, :n]),
+        jnp.zeros((1,), jnp.int32), jnp.asarray([anchor]),
+    )
+    state = SpecState(state.target_cache, dcache, jnp.asarray([n]), jnp.asarray(tokens[:, n]), h)
+    tree, _ = draft_tree(draft, dcache, state, spec)
+    chain = np.asarray(tree.tokens[0])  # [root, d1, .., dS]
+    assert chain[0] == tokens[0, n]
+    # The sequence the TTT forward reads: committed tokens, then the drafted ones.
+    seq = np.concatenate([tokens[0, :n + 1], chain[1:steps]])[None]
+    seq = np.pad(seq, ((0, 0), (0, length + 4 - seq.shape[1])))
+    feats = np.pad(features, ((0, 0), (0, 4), (0, 0)))
+    logits = ttt_forward(draft, jnp.asarray(seq), jnp.asarray(feats), ttt_length=steps)
+    cum = 1.0
+    for t in range(steps):
+        p = np.asarray(jax.nn.softmax(logits[t][0, anchor]))
+        assert int(draft.draft_to_target(jnp.argmax(p))) == chain[t + 1], f"step {t}"
+        cum *= p.max()
+    # draft_tree ranks a chain node by the product of its path's probabilities.
+    d_scores = np.asarray(jax.nn.softmax(draft.logits(h[None]))).max()
+    assert np.isclose(float(np.asarray(jax.nn.softmax(logits[0][0, anchor])).max()), d_scores, rtol=1e-5)
+    assert cum > 0
+
+
+def _conversations(target, n, seed):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 200, int(rng.integers(3, 9))).tolist() for _ in range(n)]
+    from eagle_jax.sampling import SamplingParams
+
+    gen = Generator(target, buckets=Buckets(batch=(16,), prompt=(16,), cache=(64,)), max_seq_len=64)
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=40))
+    return [Conversation(p, o.token_ids) for p, o in zip(prompts, outs)], prompts
+
+
+def test_conversations_round_trip_and_bad_lines(tmp_path):
+    convs = [Conversation([1, 2], [3, 4, 5]), Conversation([7], [8], "length", 0.7)]
+    path = tmp_path / "c.jsonl"
+    write_conversations(path, convs)
+    assert read_conversations(path, vocab_size=10) == convs
+    with pytest.raises(InputError, match=r"c.jsonl:1: token id 8 outside|c.jsonl:2: token id"):
+        read_conversations(path, vocab_size=8)
+    path.write_text(json.dumps({"prompt_ids": [1]}) + "\n")
+    with pytest.raises(InputError, match=r":1: not a conversation record"):
+        read_conversations(path)
+    path.write_text(json.dumps({"prompt_ids": [1], "response_ids": []}) + "\n")
+    with pytest.raises(InputError, match=r":1: empty"):
+        read_conversations(path)
+    path.write_text("\n")
+    with pytest.raises(InputError, match="no conversations"):
+        read_conversations(path)
+
+
+def test_train_config_validation():
+    with pytest.raises(ConfigError, match="ttt_length=0"):
+        TrainConfig(ttt_length=0)
+    with pytest.raises(ConfigError, match="step_decay=1.5"):
+        TrainConfig(step_decay=1.5)
+    with pytest.raises(ConfigError, match="learning_rate=nan"):
+        TrainConfig(learning_rate=float("nan"))
+
+
+def test_select_draft_vocab_counts_response_tokens_only():
+    tokens = np.array([[9, 9, 9, 1, 1, 2, 0, 0], [9, 3, 3, 3, 2, 1, 1, 0]], np.int32)
+    fs = FeatureSet(
+        tokens=tokens, lengths=np.array([6, 7]), prompt_lengths=np.array([3, 1]),
+        features=np.zeros((2, 8, 3), np.float16), target_hidden=np.zeros((2, 8, 1), np.float16),
+        target_argmax=np.zeros((2, 8), np.int32),
+    )
+    fs.check()
+    # responses: [1, 1, 2] and [3, 3, 3, 2, 1, 1] -> 1 x4, 3 x3, 2 x2; 9 only in prompts
+    assert select_draft_vocab(fs, 2, 10).tolist() == [1, 3]
+    assert select_draft_vocab(fs, 4, 10).tolist() == [0, 1, 2, 3]  # unseen ids fill in id order
+    assert vocab_coverage(fs, np.array([1, 3]), 10) == pytest.approx(7 / 9)
+    bad = FeatureSet(**{**fs.__dict__, "prompt_lengths": np.array([6, 1])})
+    with pytest.raises(InputError, match="prompt_length < length"):
+        bad.check()
+
+
+def test_expected_accept_length():
+    assert expected_accept_length([1.0, 1.0, 1.0]) == 4.0
+    assert expected_accept_length([0.5, 0.5]) == pytest.approx(1.75)
+
+
+def test_training_makes_a_draft_that_speculation_accepts(target, tmp_path):
+    """Train on the target's own greedy continuations; on held-out prompts the trained
+    draft's accept length is well above a random draft's, and output stays identical."""
+    convs, _ = _conversations(target, 64, seed=1)
+    data = extract_features(target, convs, max_len=64, batch_size=16)
+    data.save(tmp_path / "feats")
+    data = FeatureSet.load(tmp_path / "feats")
+    assert data.features.dtype == np.float16 and len(data) == 64
+    # The stored argmax is the target's own greedy choice: the next response token.
+    c = convs[0]
+    p = len(c.prompt_ids)
+    assert data.target_argmax[0, p - 1:p + len(c.response_ids) - 1].tolist() == c.response_ids
+    cfg = TrainConfig(draft_vocab_size=160, ttt_length=3, batch_size=16, epochs=40, learning_rate=1e-2, warmup_steps=5)
+    draft, history = train_draft(target, data, cfg, eval_data=data, log_every=4)
+    evals = [h for h in history if h["event"] == "eval"]
+    # The loss is bounded below by the target's entropy; agreement with its argmax is the
+    # clear signal (a random draft agrees on about 1/160 of positions).
+    assert evals[-1]["loss"][0] < evals[0]["loss"][0] - 0.3
+    assert min(evals[-1]["acc"]) > 0.5
+    save_draft(draft, tmp_path / "draft")
+    assert not (tmp_path / "draft" / "model.safetensors").stat().st_size == 0
+    loaded = load_draft(tmp_path / "draft", target=target)
+
+    _, held_out = _conversations(target, 8, seed=99)
+    spec = SpeculativeConfig(num_steps=3)
+    buckets = Buckets(batch=(8,), prompt=(16,), cache=(64,))
+    from eagle_jax.sampling import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=40)
+    plain = Generator(target, buckets=buckets, max_seq_len=64).generate(held_out, sp)
+    trained = speculative_generate(target, loaded, held_out, spec, sp, buckets=buckets, max_seq_len=64)
+    rand = speculative_generate(
+        target, random_draft(target.config, seed=4, draft_vocab_size=160), held_out, spec, sp, buckets=buckets, max_seq_len=64,
+    )
+    assert [c.token_ids for c in trained] == [c.token_ids for c in plain]
+    acc_trained = np.mean([a for c in trained for a in c.accept_lengths])
+    acc_random = np.mean([a for c in rand for a in c.accept_lengths])
+    assert acc_random < 1.3
+    assert acc_trained > 1.35, (acc_trained, acc_random)
