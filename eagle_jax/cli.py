@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
     g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
                    help="switch speculation off while the padded batch is larger than N")
+    g.add_argument("--time-phases", action="store_true",
+                   help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
+                        "mode), and print draft/verify ms per step")
     g.add_argument("--max-seq-len", type=_positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--output", type=Path, default=None, help="write one JSON object per prompt to this JSONL file")
@@ -114,6 +117,15 @@ def _enable_compilation_cache() -> None:
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))
+
+
+def _phase_figures(summary: dict) -> str:
+    """Draft and verify time per speculative step, from ``EngineMetrics.summary()``."""
+    d, v = summary["draft_ms_per_step"], summary["verify_ms_per_step"]
+    if d is None:
+        return "no speculative step timed"
+    return (f"draft {d:.2f} ms + verify {v:.2f} ms per speculative step "
+            f"({100 * summary['draft_share']:.0f}% drafting, {summary['spec_steps']} steps)")
 
 
 def cmd_generate(args) -> int:
@@ -167,6 +179,8 @@ def cmd_generate(args) -> int:
         )
     batch = min(args.batch_size, len(prompts))
     threshold = args.spec_disable_batch_threshold if spec is not None else None
+    if args.time_phases and spec is None:
+        print("note: --time-phases has nothing to time without speculation; ignored", file=sys.stderr)
     config = EngineConfig(
         max_batch=batch,
         max_seq_len=max_seq_len,
@@ -175,6 +189,7 @@ def cmd_generate(args) -> int:
         dtype=args.dtype,
         speculative=spec,
         spec_disable_batch_threshold=threshold,
+        time_phases=args.time_phases and spec is not None,
     )
     _enable_compilation_cache()
     engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
@@ -187,11 +202,14 @@ def cmd_generate(args) -> int:
         summary = engine.metrics.summary()
         print(
             f"[{summary['tokens']} tokens, {summary['tokens_per_second']:.1f} tok/s"
-            + (f", mean accept length {summary['mean_accept_length']:.2f}" if spec is not None else "") + "]",
+            + (f", mean accept length {summary['mean_accept_length']:.2f}" if spec is not None else "")
+            + (f", {_phase_figures(summary)}" if config.time_phases else "") + "]",
             file=sys.stderr,
         )
         return 0
     completions = engine.generate(prompts, params)
+    if config.time_phases:
+        print(f"[{_phase_figures(engine.metrics.summary())}]", file=sys.stderr)
     if args.output is None:
         for r, c in zip(records, completions):
             print(f"--- {r.id} ({c.finish_reason}, {c.tokens_per_second:.1f} tok/s)\n{c.text}")

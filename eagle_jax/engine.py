@@ -13,6 +13,12 @@ Lifecycle (objects are whole or absent):
    batch bucket if needed), pick speculative or plain by the cutoff, dispatch the step,
    then handle the *previous* step's tokens while the device runs this one.
 
+Phase timing (``EngineConfig.time_phases``): the speculative step is then run as its two
+graphs, the draft phase and the verify phase (``SpecSteps.draft_phase`` /
+``verify_phase``), each waited for, so ``EngineMetrics`` can say how the step's time
+splits between drafting and verification. It is a measuring mode: the syncs cost the
+host/device overlap, so steps are slower than the default fused step.
+
 Slots: the live batch is a ``SpecState`` whose rows are slots. A bucket change (more
 requests than rows, or few enough to fit a smaller bucket for a while) gathers the live
 rows into a state of the new size; within a bucket, requests join and leave in place.
@@ -102,6 +108,11 @@ class EngineConfig:
       long_prompt: "error" (reject prompts that leave no room) or "truncate" (keep the
         prompt's last tokens, and say so in the completion).
       kernel_impl: verification kernels: "auto", "kernel" or "reference".
+      time_phases: measure draft and verify time separately: each speculative step runs
+        as two compiled graphs (draft phase, verify phase), each waited for and timed, so
+        ``EngineMetrics.summary()`` reports ``draft_s``, ``verify_s`` and ``draft_share``.
+        Costs the host/device overlap of speculative steps (a measuring mode, not for
+        serving); plain steps are unaffected. Needs ``speculative``.
     """
 
     max_batch: int = 8
@@ -115,6 +126,7 @@ class EngineConfig:
     detect_nan: bool = False
     long_prompt: str = "error"
     kernel_impl: str = "auto"
+    time_phases: bool = False
 
     def __post_init__(self):
         def positive_int(name):
@@ -150,6 +162,10 @@ class EngineConfig:
             raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
         if self.kernel_impl not in ("auto", "kernel", "reference"):
             raise ConfigError(f"kernel_impl={self.kernel_impl!r}; valid: auto, kernel, reference")
+        if not isinstance(self.time_phases, bool):
+            raise ConfigError(f"time_phases={self.time_phases!r} must be True or False")
+        if self.time_phases and self.speculative is None:
+            raise ConfigError("time_phases is set but speculative is None (no draft or verify phase to time)")
 
     def speculation_allowed(self, padded_batch: int) -> bool:
         t = self.spec_disable_batch_threshold
@@ -236,6 +252,11 @@ class EngineMetrics:
     wall_s: float = 0.0
     compiles_at_ready: int = 0  # process-wide compile count when the engine became ready
     mode_switches: int = 0
+    # With EngineConfig.time_phases: per speculative step, the seconds from launching each
+    # phase to its results being ready (the device queue drained before the draft phase).
+    phase_timing: bool = False
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         hist = dict(sorted(self.accept_histogram.items()))
@@ -256,6 +277,24 @@ class EngineMetrics:
             "dispatch_s": round(self.dispatch_s, 4),
             "host_fraction": self.host_s / self.wall_s if self.wall_s else 0.0,
             "compiles_after_warmup": compile_count() - self.compiles_at_ready,
+            **self._phase_summary(),
+        }
+
+    def _phase_summary(self) -> dict[str, Any]:
+        if not self.phase_timing:
+            return {
+                "phase_timing": "off (EngineConfig.time_phases=True measures draft and verify separately)",
+                "draft_s": None, "verify_s": None, "draft_share": None,
+                "draft_ms_per_step": None, "verify_ms_per_step": None,
+            }
+        both, n = self.draft_s + self.verify_s, self.spec_steps
+        return {
+            "phase_timing": "on (draft and verify run as separate graphs with a sync between: slower than the fused step)",
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "draft_share": self.draft_s / both if both else None,
+            "draft_ms_per_step": 1000 * self.draft_s / n if n else None,
+            "verify_ms_per_step": 1000 * self.verify_s / n if n else None,
         }
 
 
@@ -397,7 +436,7 @@ class Engine:
     def step(self) -> None:
         """One iteration: admit, pick the mode, dispatch, then handle the previous step."""
         t_start = time.perf_counter()
-        dispatch_before = self.metrics.dispatch_s
+        dispatch_before, wait_before = self.metrics.dispatch_s, self.metrics.device_wait_s
         self._free_finished_slots()
         self._admit()
         self._maybe_shrink()
@@ -410,7 +449,8 @@ class Engine:
         m = self.metrics
         m.wall_s += time.perf_counter() - t_start
         m.device_wait_s += wait
-        m.host_s += time.perf_counter() - t_start - wait - (m.dispatch_s - dispatch_before)
+        # Waits inside the dispatch (phase timing) are in device_wait_s too, not host work.
+        m.host_s += time.perf_counter() - t_start - (m.device_wait_s - wait_before) - (m.dispatch_s - dispatch_before)
 
     def _launch(self, fn, *args, **kwargs):
         """Call a jitted function, counting the time as dispatch, not host work."""
@@ -537,7 +577,10 @@ class Engine:
         samp = self._samp()
         spec = self._choose_mode(b)
         kw = dict(greedy_only=self._greedy_only, max_seq_len=self.config.max_seq_len)
-        out = self._launch(self._steps.speculative if spec else self._steps.plain, self._state, samp, **kw)
+        if spec and self.config.time_phases:
+            out = self._timed_speculative(samp, kw)
+        else:
+            out = self._launch(self._steps.speculative if spec else self._steps.plain, self._state, samp, **kw)
         if spec:
             self.metrics.spec_steps += 1
         else:
@@ -550,6 +593,27 @@ class Engine:
             "reqs": list(self._slots), "tokens": tokens, "acc": acc, "finite": finite,
             "spec": spec, "step": self._step_no, "first": firsts,
         }
+
+    def _timed_speculative(self, samp: SamplingArrays, kw: dict):
+        """The speculative step as its draft and verify phases, each waited for and timed."""
+        m = self.metrics
+        t = time.perf_counter()
+        jax.block_until_ready(self._state)  # work queued before (prefill, insert, a plain step) is not drafting
+        t0 = time.perf_counter()
+        m.device_wait_s += t0 - t
+        launched = m.dispatch_s
+        state, tree = self._launch(self._steps.draft_phase, self._state, samp)
+        self._state = None  # its draft cache was donated
+        jax.block_until_ready((state, tree))
+        t1 = time.perf_counter()
+        out = self._launch(self._steps.verify_phase, state, tree, samp, **kw)
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        m.draft_s += t1 - t0
+        m.verify_s += t2 - t1
+        # The time past the launches was spent waiting for the device.
+        m.device_wait_s += (t2 - t0) - (m.dispatch_s - launched)
+        return out
 
     def _handle(self, pending: dict | None) -> float:
         """Hand a finished step's tokens to its requests; returns seconds spent waiting."""
@@ -625,7 +689,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> di
     n_graphs = _compile_all(parts, progress)
     elapsed = time.perf_counter() - t0
     b0 = config.batch_buckets[0]
-    metrics = EngineMetrics(compiles_at_ready=compile_count())
+    metrics = EngineMetrics(compiles_at_ready=compile_count(), phase_timing=config.time_phases)
     if config.speculative is not None:
         metrics.accepted_at_depth = np.zeros(config.speculative.num_steps, np.int64)
     spec = config.speculative
@@ -642,6 +706,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> di
         f"speculation {spec_desc}; cutoff {cutoff}; batch buckets {config.batch_buckets}; prompt buckets "
         f"{config.prompt_buckets}; max_seq_len {config.max_seq_len}; dtype {jnp.dtype(target.dtype).name}; "
         f"devices {[str(d) for d in jax.devices()]}; kernels {config.kernel_impl}; NaN check {'on' if config.detect_nan else 'off'}"
+        + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
+           if config.time_phases else "")
     )
     log.info("eagle-jax engine ready: %s; %d graphs compiled in %.1f s", describe, n_graphs, elapsed)
     parts.update(
@@ -655,7 +721,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> di
 
 def _compile_all(parts: dict, progress: bool) -> int:
     """Run every graph once on dummy input: prefill per prompt bucket, insert and both
-    step modes (greedy-only and sampled) per batch bucket, resize between buckets."""
+    step modes (greedy-only and sampled) per batch bucket, resize between buckets. With
+    ``time_phases`` the speculative step is compiled as its two phase graphs instead."""
     cfg: EngineConfig = parts["config"]
     target, draft = parts["target"], parts["draft"]
     steps: SpecSteps = parts["_steps"]
@@ -678,11 +745,19 @@ def _compile_all(parts: dict, progress: bool) -> int:
             if other != b:
                 jobs.append((f"resize {b}->{other}", lambda b=b, o=other: _gather_rows(fresh(b), jax.device_put(np.zeros((o,), np.int32))).seq_lens))
         for spec in modes:
+            phases = spec and cfg.time_phases
+            if phases:  # the draft phase does not depend on greedy_only
+                jobs.append((f"draft phase batch {b}", lambda b=b, samp=samp: steps.draft_phase(fresh(b), samp)[1]))
             for greedy in (True, False):
                 kw = dict(greedy_only=greedy, max_seq_len=cfg.max_seq_len)
+                how = "greedy" if greedy else "sampled"
+                if phases:
+                    fn = lambda b=b, kw=kw, samp=samp: steps.verify_phase(*steps.draft_phase(fresh(b), samp), samp, **kw)[1]  # noqa: E731
+                    jobs.append((f"verify phase batch {b} {how}", fn))
+                    continue
                 step_fn = steps.speculative if spec else steps.plain
                 fn = lambda b=b, kw=kw, samp=samp, f=step_fn: f(fresh(b), samp, **kw)[1]  # noqa: E731
-                jobs.append((f"{'speculative' if spec else 'plain'} step batch {b} {'greedy' if greedy else 'sampled'}", fn))
+                jobs.append((f"{'speculative' if spec else 'plain'} step batch {b} {how}", fn))
     if progress:
         from rich.progress import Progress
 

@@ -26,6 +26,11 @@ Conventions (see ../shared/docs/eagle3-reference.md):
 - The draft extend runs over a fixed ``num_steps + 1`` tokens per sequence (the emitted
   tokens, paired with the target features of the accepted slots) and keeps the row at
   ``accept_length - 1``; fixed width is what keeps the step free of host syncs.
+
+The step is two phases: ``draft_phase_impl`` (draft tree, oracle substitution) and
+``verify_phase_impl`` (verify, accept, commit, draft extend); ``speculative_step_impl`` is
+their composition, traced as one graph. ``SpecSteps`` also compiles each phase alone, for
+measuring draft and verify time separately (``EngineConfig.time_phases``).
 """
 
 from __future__ import annotations
@@ -377,19 +382,19 @@ def _step_keys(samp: SamplingArrays, seq_lens):
     return coin_key, bonus_key
 
 
-def speculative_step_impl(
+def draft_phase_impl(
     target: LlamaModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, oracle=None, *,
-    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto",
-    oracle_noise: float = 0.0, check_finite: bool = False,
-):
-    """One speculative step: draft, verify, accept, commit, draft extend.
+    cfg: SpeculativeConfig, oracle_noise: float = 0.0,
+) -> tuple[Tree, KVCache]:
+    """The draft phase of a speculative step: grow the tree (``draft_tree``) and, with an
+    ``oracle``, substitute its tokens (``apply_oracle``).
 
-    ``oracle`` (``[B, L]``, optional): reference sequences that replace the draft's
-    proposals (see ``apply_oracle``), for measuring the machinery at a chosen acceptance.
+    Reads ``state.draft_cache``, ``state.draft_hidden``, ``state.seq_lens``, ``state.root``
+    (and ``target.config`` only for the oracle's vocabulary); the target cache is untouched.
 
-    Returns ``(state, out_tokens [B, S+1] (-1 padded), accept_length [B], finite)``; the
-    emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
-    only with ``check_finite``) says whether the row's verify logits were all finite.
+    Returns ``(tree, draft_cache)``: the ``Tree`` (``tokens``/``parents``/``depths``, each
+    ``[B, T]``, slot 0 the root) and the draft cache with the tree nodes' draft KV written
+    into the scratch slots above the prefix (same shapes as ``state.draft_cache``).
     """
     seq = state.seq_lens
     with jax.named_scope("draft"):
@@ -398,6 +403,21 @@ def speculative_step_impl(
             noise_key = jax.vmap(lambda k: jax.random.fold_in(k, 3))(position_keys(samp.key, seq))
             noise_u = jax.vmap(lambda k: jax.random.uniform(k, (cfg.num_draft_tokens,)))(noise_key)
             tree = apply_oracle(tree, oracle, seq, noise_u, oracle_noise, target.config.vocab_size)
+    return tree, dcache
+
+
+def verify_phase_impl(
+    target: LlamaModel, draft: Eagle3Draft, state: SpecState, tree: Tree, draft_cache: KVCache, samp: SamplingArrays, *,
+    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto", check_finite: bool = False,
+):
+    """The verify phase of a speculative step: verify the tree with the target, accept,
+    commit the accepted path, and run the draft extend over the emitted tokens.
+
+    ``tree`` and ``draft_cache`` are what ``draft_phase_impl`` returned for ``state``
+    (``state.draft_cache`` itself is not read). Returns what ``speculative_step_impl``
+    returns: ``(state, out_tokens [B, S+1] (-1 padded), accept_length [B], finite [B] or None)``.
+    """
+    seq = state.seq_lens
     with jax.named_scope("verify"):
         # On GPUs the verify forward attends with the tree-attention kernel (it falls back
         # to XLA for shapes it does not support); on CPU the dense-mask XLA path is faster.
@@ -410,7 +430,7 @@ def speculative_step_impl(
     with jax.named_scope("commit"):
         tcache, acc_feats = commit_accepted(tcache, feats, seq, acc_index, acc_len, cfg)
     with jax.named_scope("draft_extend"):
-        g, dcache = _draft_extend(draft, dcache, out, acc_feats, seq, acc_len - 1)
+        g, dcache = _draft_extend(draft, draft_cache, out, acc_feats, seq, acc_len - 1)
     new_state = SpecState(
         target_cache=tcache,
         draft_cache=dcache,
@@ -420,6 +440,28 @@ def speculative_step_impl(
         draft_hidden=g,
     )
     return new_state, out, acc_len, _finite_rows(logits) if check_finite else None
+
+
+def speculative_step_impl(
+    target: LlamaModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, oracle=None, *,
+    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto",
+    oracle_noise: float = 0.0, check_finite: bool = False,
+):
+    """One speculative step: draft, verify, accept, commit, draft extend — the draft
+    phase then the verify phase, traced into one graph (the default, fused step).
+
+    ``oracle`` (``[B, L]``, optional): reference sequences that replace the draft's
+    proposals (see ``apply_oracle``), for measuring the machinery at a chosen acceptance.
+
+    Returns ``(state, out_tokens [B, S+1] (-1 padded), accept_length [B], finite)``; the
+    emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
+    only with ``check_finite``) says whether the row's verify logits were all finite.
+    """
+    tree, dcache = draft_phase_impl(target, draft, state, samp, oracle, cfg=cfg, oracle_noise=oracle_noise)
+    return verify_phase_impl(
+        target, draft, state, tree, dcache, samp, cfg=cfg, greedy_only=greedy_only, max_seq_len=max_seq_len,
+        kernel_impl=kernel_impl, check_finite=check_finite,
+    )
 
 
 def plain_step_impl(
@@ -480,6 +522,10 @@ class SpecSteps:
     The parameters are bound once (``BoundModules``); every call donates the state.
     Static per call: ``greedy_only`` and ``max_seq_len`` (ints and bools hash cheaply).
 
+    ``speculative`` is the fused step (one graph). ``draft_phase`` then ``verify_phase``
+    run the same computation as two graphs, so the host can time each phase (with a
+    device sync between them, which the fused step does not pay).
+
     Args:
       target, draft: the models (``draft`` None: plain steps only).
       spec: the draft shape for ``speculative``.
@@ -510,6 +556,20 @@ class SpecSteps:
                 kernel_impl=kernel_impl, oracle_noise=oracle_noise, check_finite=check_finite,
             )
 
+        def draft_phase(params, draft_cache, state, samp, oracle=None, *, oracle_noise=0.0):
+            # The draft cache comes apart from the rest of the state so that only it is
+            # donated: the target cache passes through this phase untouched.
+            t, d = bound.modules(params)
+            state = dataclasses.replace(state, draft_cache=draft_cache)
+            return draft_phase_impl(t, d, state, samp, oracle, cfg=spec, oracle_noise=oracle_noise)
+
+        def verify_phase(params, state, tree, samp, *, greedy_only, max_seq_len):
+            t, d = bound.modules(params)
+            return verify_phase_impl(
+                t, d, state, tree, state.draft_cache, samp, cfg=spec, greedy_only=greedy_only, max_seq_len=max_seq_len,
+                kernel_impl=kernel_impl, check_finite=check_finite,
+            )
+
         def plain(params, state, samp, *, greedy_only, max_seq_len):
             t, d = bound.modules(params)
             return plain_step_impl(t, d, state, samp, greedy_only=greedy_only, max_seq_len=max_seq_len, check_finite=check_finite)
@@ -518,6 +578,8 @@ class SpecSteps:
         self._prefill = jax.jit(prefill, static_argnames=("greedy_only",), **donate)
         self._prefill_new = jax.jit(prefill_new, static_argnames=("greedy_only", "max_seq_len"))
         self._speculative = jax.jit(speculative, static_argnames=("greedy_only", "max_seq_len", "oracle_noise"), **donate)
+        self._draft_phase = jax.jit(draft_phase, static_argnames=("oracle_noise",), donate_argnames=("draft_cache",))
+        self._verify_phase = jax.jit(verify_phase, static_argnames=("greedy_only", "max_seq_len"), **donate)
         self._plain = jax.jit(plain, static_argnames=("greedy_only", "max_seq_len"), **donate)
         self.has_draft = draft is not None
         self.spec = spec
@@ -533,6 +595,19 @@ class SpecSteps:
     def speculative(self, state: SpecState, samp: SamplingArrays, oracle=None, *, greedy_only: bool, max_seq_len: int, oracle_noise: float = 0.0):
         """(state, out_tokens [B, S+1], accept_length [B], finite [B] or None)."""
         return self._speculative(self.params, state, samp, oracle, greedy_only=greedy_only, max_seq_len=max_seq_len, oracle_noise=oracle_noise)
+
+    def draft_phase(self, state: SpecState, samp: SamplingArrays, oracle=None, *, oracle_noise: float = 0.0):
+        """The first half of ``speculative``: ``(state, tree)``, where the returned state
+        holds the drafted draft cache (the input state's draft cache is donated) and
+        ``tree`` is the ``Tree`` ([B, T] tokens, parents, depths) to pass to ``verify_phase``."""
+        rest = dataclasses.replace(state, draft_cache=None)
+        tree, dcache = self._draft_phase(self.params, state.draft_cache, rest, samp, oracle, oracle_noise=oracle_noise)
+        return dataclasses.replace(state, draft_cache=dcache), tree
+
+    def verify_phase(self, state: SpecState, tree: Tree, samp: SamplingArrays, *, greedy_only: bool, max_seq_len: int):
+        """The second half of ``speculative``, on ``draft_phase``'s ``(state, tree)``:
+        (state, out_tokens [B, S+1], accept_length [B], finite [B] or None)."""
+        return self._verify_phase(self.params, state, tree, samp, greedy_only=greedy_only, max_seq_len=max_seq_len)
 
     def plain(self, state: SpecState, samp: SamplingArrays, *, greedy_only: bool, max_seq_len: int):
         """(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)."""

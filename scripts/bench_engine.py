@@ -7,10 +7,15 @@ against the better of on and off, and the host share of the step time at batch 1
 "Off" keeps the draft in sync (the plain step with a 1-token draft extend), which is
 what the cutoff runs above its threshold. Saves results/bench_engine.json.
 
-    python scripts/bench_engine.py --draft DIR [--threshold N] [--new-tokens 32]
+    python scripts/bench_engine.py --draft DIR [--threshold N] [--new-tokens 32] [--time-phases]
 
 Without --draft it uses a random draft (accept length ~1): speculation then never pays,
 and the table shows only the cost of the machinery.
+
+--time-phases builds the engines with ``EngineConfig.time_phases``: each speculative step
+runs as its draft and verify graphs, each waited for, and a second table gives draft and
+verify ms per speculative step per batch size. The syncs cost the host/device overlap, so
+the tokens/s of such a run are not the fused step's.
 """
 
 from __future__ import annotations
@@ -39,13 +44,17 @@ def run(engine: Engine, prompts, sp, repeats: int) -> dict:
     """Median tokens/s over ``repeats`` runs of the prompts (after one warm-up request)."""
     engine.generate(prompts[:1], sp)  # warm the host path
     m = engine.metrics
-    rates, hosts = [], []
+    rates, hosts, drafts, verifies = [], [], [], []
     for _ in range(repeats):
-        before = (m.wall_s, m.host_s, m.spec_steps)
+        before = (m.wall_s, m.host_s, m.spec_steps, m.draft_s, m.verify_s)
         t = time.perf_counter()
         out = engine.generate(prompts, sp)
         rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t))
         hosts.append((m.host_s - before[1]) / max(m.wall_s - before[0], 1e-9))
+        n_spec = m.spec_steps - before[2]
+        if m.phase_timing and n_spec:  # time_phases: per speculative step of this run
+            drafts.append(1000 * (m.draft_s - before[3]) / n_spec)
+            verifies.append(1000 * (m.verify_s - before[4]) / n_spec)
     accepts = [a for c in out for a in c.accept_lengths]
     return {
         "tokens_per_s": statistics.median(rates),
@@ -53,6 +62,8 @@ def run(engine: Engine, prompts, sp, repeats: int) -> dict:
         "host_fraction": statistics.median(hosts),
         "spec_steps_last_run": m.spec_steps - before[2],
         "mean_accept_length": sum(accepts) / len(accepts) if accepts else None,
+        "draft_ms_per_step": statistics.median(drafts) if drafts else None,
+        "verify_ms_per_step": statistics.median(verifies) if verifies else None,
     }
 
 
@@ -65,6 +76,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--time-phases", action="store_true",
+                    help="time draft and verify apart (EngineConfig.time_phases; slower than the fused step)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
     args = ap.parse_args()
     model_dir = args.model or default_model_dir()
@@ -74,7 +87,8 @@ def main():
     questions = [f"Tell me one fact about {t}." for t in TOPICS]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
     top = max(args.batches)
-    base = dict(max_batch=top, max_seq_len=128, batch_buckets=tuple(sorted(set(args.batches))), prompt_buckets=(64, 128))
+    base = dict(max_batch=top, max_seq_len=128, batch_buckets=tuple(sorted(set(args.batches))), prompt_buckets=(64, 128),
+                time_phases=args.time_phases)
     spec = SpeculativeConfig(num_steps=args.steps)
     modes = {
         "on": EngineConfig(speculative=spec, **base),
@@ -83,7 +97,8 @@ def main():
     }
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2 float32; "
-          f"draft {args.draft or 'random (8192 vocab)'}; chain S={args.steps}; cutoff threshold {args.threshold}")
+          f"draft {args.draft or 'random (8192 vocab)'}; chain S={args.steps}; cutoff threshold {args.threshold}"
+          + ("; time_phases on (draft and verify synced apart: tok/s below are not the fused step's)" if args.time_phases else ""))
     table = {}
     engines = {}
     for name, cfg in modes.items():
@@ -103,9 +118,19 @@ def main():
         host = f"{100 * r['on']['host_fraction']:.1f}/{100 * r['off']['host_fraction']:.1f}"
         print(f"{b:>6}{r['on']['tokens_per_s']:>10.1f}{r['off']['tokens_per_s']:>11.1f}{r['cutoff']['tokens_per_s']:>9.1f}{-100 * loss:>15.1f}%{host:>15}")
         rows.append({"batch": b, **{k: v for k, v in r.items()}, "cutoff_loss_vs_best": loss})
+    if args.time_phases:
+        print(f"\nms per speculative step\n{'batch':>6}{'on draft':>10}{'on verify':>11}{'draft %':>9}{'cutoff draft':>14}{'cutoff verify':>15}")
+        def ms(x):
+            return "-" if x is None else f"{x:.2f}"
+
+        for b in args.batches:
+            on, cut = table[b]["on"], table[b]["cutoff"]
+            share = "-" if on["draft_ms_per_step"] is None else f"{100 * on['draft_ms_per_step'] / (on['draft_ms_per_step'] + on['verify_ms_per_step']):.1f}"
+            print(f"{b:>6}{ms(on['draft_ms_per_step']):>10}{ms(on['verify_ms_per_step']):>11}{share:>9}"
+                  f"{ms(cut['draft_ms_per_step']):>14}{ms(cut['verify_ms_per_step']):>15}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"draft": str(args.draft or "random"), "threshold": args.threshold, "steps": args.steps,
-                                    "new_tokens": args.new_tokens, "rows": rows}, indent=2))
+                                    "new_tokens": args.new_tokens, "time_phases": args.time_phases, "rows": rows}, indent=2))
     print(f"saved {args.out}")
 
 

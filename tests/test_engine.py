@@ -3,6 +3,7 @@ absent, zero compiles after warm-up, reproducible sampling, metrics and bad inpu
 
 import gc
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -167,6 +168,60 @@ def test_start_up_logs_what_is_on(target, draft, caplog):
         assert part in line
 
 
+# ----------------------------------------------------------------------------- phase timing
+
+# Speculation at every batch bucket (no cutoff), so every phase graph runs.
+TIMED = EngineConfig(max_batch=2, max_seq_len=128, prompt_buckets=(16, 128), speculative=SPEC, time_phases=True)
+
+
+@pytest.fixture(scope="module")
+def timed_engine(target, draft, engine):
+    # Built after the module's engine (which the test compares with): compiles_after_warmup is process-wide.
+    return Engine(target, draft, TIMED, progress=False)
+
+
+def test_time_phases_is_token_identical_times_both_phases_and_compiles_nothing(timed_engine, engine, reference):
+    """Draft and verify as separate timed graphs: the same greedy tokens as the fused
+    step, both phases timed within the run's wall time, no compile after warm-up while
+    the batch goes through every bucket."""
+    eng, m = timed_engine, timed_engine.metrics
+    assert "time_phases on" in repr(eng)
+    before, draft_before, verify_before = compile_count(), m.draft_s, m.verify_s
+    buckets = set()
+    t = time.perf_counter()
+    ids = [eng.add_request(PROMPTS[1], _greedy(LENGTHS[1]))]
+    for _ in range(3):  # batch 1, then 2 (one request queued), then 1 again
+        eng.step()
+        buckets.add(len(eng._slots))
+    ids += [eng.add_request(PROMPTS[i], _greedy(LENGTHS[i])) for i in (4, 6)]
+    while eng.has_unfinished():
+        eng.step()
+        buckets.add(len(eng._slots))
+    wall = time.perf_counter() - t
+    done = {c.id: c for c in eng.pop_finished()}
+    timed_out = [done[rid].token_ids for rid in ids]
+    assert buckets == set(TIMED.batch_buckets)
+    assert compile_count() - before == 0
+    assert m.summary()["compiles_after_warmup"] == 0
+    draft_s, verify_s = m.draft_s - draft_before, m.verify_s - verify_before
+    assert draft_s > 0 and verify_s > 0
+    assert draft_s + verify_s <= wall
+    s = m.summary()
+    assert s["phase_timing"].startswith("on") and s["plain_steps"] == 0
+    assert 0 < s["draft_share"] < 1 and s["draft_ms_per_step"] > 0 and s["verify_ms_per_step"] > 0
+    # The fused step (the module's engine, time_phases off; at most 2 live requests keep
+    # it speculative) gives the same tokens, and both give plain greedy decoding's.
+    spec_before = engine.metrics.spec_steps
+    fused_out = [c.token_ids for c in engine.generate([PROMPTS[1], PROMPTS[4]], [_greedy(LENGTHS[i]) for i in (1, 4)])]
+    fused_out += [engine.generate([PROMPTS[6]], [_greedy(LENGTHS[6])])[0].token_ids]
+    assert engine.metrics.spec_steps > spec_before
+    assert timed_out == fused_out == [reference[i].token_ids for i in (1, 4, 6)]
+    off = engine.metrics.summary()
+    assert off["draft_s"] is None and off["verify_s"] is None and off["draft_share"] is None
+    assert "time_phases=True" in off["phase_timing"]
+    assert "time_phases" not in repr(engine)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -199,6 +254,8 @@ def test_speculation_without_draft_is_rejected(target):
         (dict(long_prompt="drop"), "long_prompt"),
         (dict(dtype="int8"), "dtype"),
         (dict(kernel_impl="cuda"), "kernel_impl"),
+        (dict(time_phases="yes"), "time_phases"),
+        (dict(speculative=None, time_phases=True), "time_phases"),
     ],
 )
 def test_invalid_engine_config(kwargs, field):
