@@ -420,3 +420,20 @@ def test_for_target_defaults():
     assert cfg.draft_vocab_size == V and cfg.aux_layer_ids == TARGET_CFG.feature_layer_ids
     assert cfg.fc_in_features == 3 * H and not cfg.has_embed_tokens
     check_compatible(cfg, TARGET_CFG)
+
+
+def test_save_converts_dtype_and_refuses_float16_overflow(tmp_path, target):
+    t, cfg = reference_checkpoint(7, embed=False)
+    draft = load_draft(write_checkpoint(tmp_path / "ref", t, cfg), target=target)
+    save_draft(draft, tmp_path / "f16", dtype="float16")
+    with safe_open(tmp_path / "f16" / "model.safetensors", framework="numpy") as f:
+        assert f.get_slice("fc.weight").get_dtype() == "F16"
+        assert f.get_slice("d2t").get_dtype() == "I64"
+    assert json.loads((tmp_path / "f16" / "config.json").read_text())["torch_dtype"] == "float16"
+    again = load_draft(tmp_path / "f16", target=target)  # read back as float32
+    np.testing.assert_allclose(np.asarray(again.fc.kernel[...]), np.asarray(draft.fc.kernel[...]), rtol=1e-3, atol=1e-6)
+    draft.fc.kernel[...] = draft.fc.kernel[...].at[0, 0].set(1e6)
+    with pytest.raises(ConfigError, match="fc.weight does not fit float16"):
+        save_draft(draft, tmp_path / "bad", dtype="float16")
+    with pytest.raises(ConfigError, match="save dtype='int8'"):
+        save_draft(draft, tmp_path / "bad", dtype="int8")

@@ -311,11 +311,15 @@ def load_draft(
     return draft
 
 
-def save_draft(draft: Eagle3Draft, path: str | Path) -> None:
+def save_draft(draft: Eagle3Draft, path: str | Path, *, dtype: str | None = None) -> None:
     """Write ``draft`` as config.json + model.safetensors in the released layout.
 
     ``embed_tokens.weight`` is written only when ``draft.config.has_embed_tokens``.
+    ``dtype`` ("float32", "float16" or "bfloat16"; None: as held) converts the float
+    tensors; a value outside float16's range raises rather than becoming inf.
     """
+    if dtype not in (None, "float32", "float16", "bfloat16"):
+        raise ConfigError(f"save dtype={dtype!r}; valid: None, float32, float16, bfloat16")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = draft.config
@@ -323,12 +327,16 @@ def save_draft(draft: Eagle3Draft, path: str | Path) -> None:
     tensors: dict[str, np.ndarray] = {}
     for p, (name, transpose) in draft_name_map(cfg).items():
         arr = np.asarray(flat[p][...])
+        if dtype is not None:
+            if dtype == "float16" and np.abs(arr.astype(np.float32)).max() >= np.finfo(np.float16).max:
+                raise ConfigError(f"draft tensor {name} does not fit float16; save it as float32")
+            arr = arr.astype(jnp.dtype(dtype))
         tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
     tensors[D2T] = np.asarray(draft.d2t[...]).astype(np.int64)
     tensors[T2D] = np.asarray(draft.t2d[...]).astype(bool)
     # "format": "pt" is what transformers and SGLang expect in a PyTorch-layout file.
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = draft_config_to_hf(cfg, draft.fc.kernel[...].dtype)
+    config = draft_config_to_hf(cfg, jnp.dtype(dtype) if dtype is not None else draft.fc.kernel[...].dtype)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -70,6 +70,8 @@ def add_parsers(sub) -> None:
     t.add_argument("--warmup-steps", type=int, default=20)
     t.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="dtype of the written tensors (default float32; 16-bit halves the file)")
     t.set_defaults(func=cmd_train_draft)
 
 
@@ -168,7 +170,12 @@ def cmd_draft_data(args) -> int:
             )
             write_conversations(path, convs)
         t0 = time.perf_counter()
-        feats = extract_features(target, convs, max_len=args.max_seq_len)
+
+        def feat_progress(done, total, dt, split=split):
+            if done == total or done % (8 * 16) == 0:
+                print(f"{split}: features of {done}/{total} sequences, {dt:.0f} s", file=sys.stderr)
+
+        feats = extract_features(target, convs, max_len=args.max_seq_len, on_progress=feat_progress)
         feats.save(out / split)
         n_resp = int(sum(int(n - p) for n, p in zip(feats.lengths, feats.prompt_lengths)))
         manifest["splits"][split] = {"conversations": len(convs), "response_tokens": n_resp}
@@ -228,7 +235,7 @@ def cmd_train_draft(args) -> int:
         draft, history = train_draft(target, data, cfg, eval_data=eval_data, on_log=on_log)
     finally:
         log_file.close()
-    save_draft(draft, args.out)
+    save_draft(draft, args.out, dtype=args.save_dtype)
     load_draft(args.out, target=target)  # what was written loads and fits the target
     evals = [h for h in history if h["event"] == "eval"]
     summary = {
