@@ -2,7 +2,7 @@
 """Engine throughput with speculation always on, always off, and with the batch-size cutoff.
 
 On SmolLM2 (float32) at batch sizes 1, 4, 16 and 64 (that many requests arriving at
-once, greedy, --new-tokens each), for one draft: tokens/s per mode, the cutoff's loss
+once, greedy, --new-tokens each; held-out chat prompts), for one draft: tokens/s per mode, the cutoff's loss
 against the better of on and off, and the host share of the step time at batch 1.
 "Off" keeps the draft in sync (the plain step with a 1-token draft extend), which is
 what the cutoff runs above its threshold. Saves results/bench_engine.json.
@@ -36,8 +36,8 @@ from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import SpeculativeConfig
 from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
-TOPICS = ["the sky", "rivers", "volcanoes", "bread", "chess", "bees", "the moon", "trains", "music", "glass", "rain", "maps", "tea", "clocks", "whales", "paper"]
 
 
 def run(engine: Engine, prompts, sp, repeats: int) -> dict:
@@ -84,7 +84,8 @@ def main():
     tok = Tokenizer.from_dir(model_dir)
     target = load_model(model_dir, dtype="float32")
     draft = load_draft(args.draft, target=target) if args.draft else random_draft(target.config, seed=0, draft_vocab_size=8192)
-    questions = [f"Tell me one fact about {t}." for t in TOPICS]
+    # Held-out chat prompts: the built-in "eval" split, whose topics no training data used.
+    questions = synthetic_prompts(max(args.batches), split="eval", seed=2)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
     top = max(args.batches)
     base = dict(max_batch=top, max_seq_len=128, batch_buckets=tuple(sorted(set(args.batches))), prompt_buckets=(64, 128),

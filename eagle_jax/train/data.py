@@ -164,19 +164,19 @@ class FeatureSet:
         return fs
 
     def check(self) -> None:
-        n, l = self.tokens.shape
+        n, width = self.tokens.shape
         want = {
-            "lengths": (n,), "prompt_lengths": (n,), "target_argmax": (n, l),
+            "lengths": (n,), "prompt_lengths": (n,), "target_argmax": (n, width),
         }
         for name, shape in want.items():
             if getattr(self, name).shape != shape:
                 raise InputError(f"feature set {name} has shape {getattr(self, name).shape}, expected {shape}")
         for name in ("features", "target_hidden"):
-            if getattr(self, name).shape[:2] != (n, l):
-                raise InputError(f"feature set {name} has shape {getattr(self, name).shape}, expected ({n}, {l}, ...)")
+            if getattr(self, name).shape[:2] != (n, width):
+                raise InputError(f"feature set {name} has shape {getattr(self, name).shape}, expected ({n}, {width}, ...)")
         lengths, plens = np.asarray(self.lengths), np.asarray(self.prompt_lengths)
-        if (lengths < 2).any() or (lengths > l).any() or (plens < 1).any() or (plens >= lengths).any():
-            raise InputError(f"feature set lengths must satisfy 1 <= prompt_length < length <= {l}")
+        if (lengths < 2).any() or (lengths > width).any() or (plens < 1).any() or (plens >= lengths).any():
+            raise InputError(f"feature set lengths must satisfy 1 <= prompt_length < length <= {width}")
 
 
 def _forward_fn(target: LlamaModel):
@@ -185,10 +185,10 @@ def _forward_fn(target: LlamaModel):
     @jax.jit
     def run(params, tokens):
         (model,) = bound.modules(params)
-        b, l = tokens.shape
-        pos = jnp.broadcast_to(jnp.arange(l), (b, l))
-        cache = KVCache.zeros(model.config, b, l)
-        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, l), return_features=True)
+        b, width = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(width), (b, width))
+        cache = KVCache.zeros(model.config, b, width)
+        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True)
         return h, feats, jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
 
     return lambda tokens: run(bound.params, tokens)

@@ -170,18 +170,18 @@ def ttt_forward(
       tokens: [B, L] the sequence's tokens (the true tokens are fed at every step).
       features: [B, L, F] the target's fused-layer features.
     """
-    b, l = tokens.shape
-    masks = ttt_mask(l, ttt_length)
-    anchors = jnp.arange(l)[None, :]
+    b, width = tokens.shape
+    masks = ttt_mask(width, ttt_length)
+    anchors = jnp.arange(width)[None, :]
     dcfg = draft.config
-    shape = (b, ttt_length * l, dcfg.num_key_value_heads, dcfg.head_dim)
+    shape = (b, ttt_length * width, dcfg.num_key_value_heads, dcfg.head_dim)
     cache = KVCache(k=[jnp.zeros(shape, jnp.float32)], v=[jnp.zeros(shape, jnp.float32)])
     hidden = draft.fuse(features.astype(jnp.float32))
     out = []
     for t in range(ttt_length):
-        pos = jnp.broadcast_to(anchors + t, (b, l))
-        slots = jnp.broadcast_to(anchors + t * l, (b, l))
-        mask = jnp.broadcast_to(masks[t], (b, l, ttt_length * l))
+        pos = jnp.broadcast_to(anchors + t, (b, width))
+        slots = jnp.broadcast_to(anchors + t * width, (b, width))
+        mask = jnp.broadcast_to(masks[t], (b, width, ttt_length * width))
         hidden, cache = draft(_shift(tokens, t + 1), hidden, pos, cache, slots, mask)
         out.append(draft.logits(hidden))
     return out
@@ -208,11 +208,11 @@ def ttt_loss(
       the target's argmax, "count": [ttt] positions counted}).
     """
     tokens = batch["tokens"]
-    l = tokens.shape[1]
+    width = tokens.shape[1]
     lengths, plens = batch["lengths"][:, None], batch["prompt_lengths"][:, None]
     in_draft = draft.t2d[...]
     t2d_index = jnp.cumsum(in_draft) - 1  # draft id of each target id in the vocabulary
-    anchors = jnp.arange(l)[None, :]
+    anchors = jnp.arange(width)[None, :]
     total = 0.0
     losses, accs, counts = [], [], []
     for t, logits in enumerate(ttt_forward(draft, tokens, batch["features"], ttt_length=ttt_length)):
@@ -250,8 +250,7 @@ def _length_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generat
         batches += [w[i:i + batch_size] for i in range(0, len(w), batch_size)]
     for j in rng.permutation(len(batches)):
         idx = batches[j]
-        l = int(min(max_len, -(-int(lengths[idx].max()) // round_to) * round_to))
-        yield idx, l
+        yield idx, int(min(max_len, -(-int(lengths[idx].max()) // round_to) * round_to))
 
 
 def _batch_arrays(data: FeatureSet, idx: np.ndarray, length: int, batch_size: int) -> dict[str, np.ndarray]:
@@ -316,8 +315,8 @@ class DraftTrainer:
         bs = self.cfg.batch_size
         loss = acc = cnt = 0.0
         max_len = data.tokens.shape[1]
-        for idx, l in _length_batches(np.asarray(data.lengths), bs, np.random.default_rng(0), round_to, max_len):
-            _, aux = self._eval(self.params, self.frozen, self.target_head, _batch_arrays(data, idx, l, bs))
+        for idx, width in _length_batches(np.asarray(data.lengths), bs, np.random.default_rng(0), round_to, max_len):
+            _, aux = self._eval(self.params, self.frozen, self.target_head, _batch_arrays(data, idx, width, bs))
             c = np.asarray(aux["count"])
             loss = loss + np.asarray(aux["loss"]) * c
             acc = acc + np.asarray(aux["acc"]) * c
@@ -371,12 +370,11 @@ def train_draft(
     rng = np.random.default_rng(cfg.seed)
     t0 = time.perf_counter()
     max_len = data.tokens.shape[1]
-    epoch = 0
     while trainer.step_count < total:
-        for idx, l in _length_batches(lengths, cfg.batch_size, rng, round_to, max_len):
+        for idx, width in _length_batches(lengths, cfg.batch_size, rng, round_to, max_len):
             if trainer.step_count >= total:
                 break
-            out = trainer.step(_batch_arrays(data, idx, l, cfg.batch_size))
+            out = trainer.step(_batch_arrays(data, idx, width, cfg.batch_size))
             if trainer.step_count % log_every == 0 or trainer.step_count == total:
                 emit({
                     "event": "train", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
@@ -384,7 +382,6 @@ def train_draft(
                     "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
                     "elapsed_s": time.perf_counter() - t0,
                 })
-        epoch += 1
         if eval_data is not None:
             ev = trainer.evaluate(eval_data, round_to=round_to)
             emit({
