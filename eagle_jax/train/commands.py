@@ -70,6 +70,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--warmup-steps", type=int, default=20)
     t.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init-draft", type=Path, default=None,
+                   help="continue training this draft (its vocabulary is kept; --draft-vocab is ignored)")
+    t.add_argument("--save-epochs", action="store_true", help="also write the draft after every epoch to OUT/epoch-N")
     t.add_argument("--save-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="dtype of the written tensors (default float32; 16-bit halves the file)")
     t.set_defaults(func=cmd_train_draft)
@@ -230,9 +233,15 @@ def cmd_train_draft(args) -> int:
         else:
             print(f"draft vocabulary {rec['draft_vocab_size']} covers {100 * rec['coverage']:.2f}% of response tokens", file=sys.stderr)
 
+    init = load_draft(args.init_draft, target=target, dtype="float32") if args.init_draft is not None else None
+
+    def on_epoch(epoch, draft):
+        if args.save_epochs:
+            save_draft(draft, args.out / f"epoch-{epoch}", dtype=args.save_dtype)
+
     t0 = time.perf_counter()
     try:
-        draft, history = train_draft(target, data, cfg, eval_data=eval_data, on_log=on_log)
+        draft, history = train_draft(target, data, cfg, eval_data=eval_data, on_log=on_log, init=init, on_epoch=on_epoch)
     finally:
         log_file.close()
     save_draft(draft, args.out, dtype=args.save_dtype)
@@ -241,6 +250,7 @@ def cmd_train_draft(args) -> int:
     summary = {
         "target": str(model_dir), "target_config_sha256": _fingerprint(model_dir), "data": str(args.data),
         "data_manifest": manifest, "train_config": dataclasses.asdict(cfg),
+        "init_draft": str(args.init_draft) if args.init_draft is not None else None,
         "train_sequences": len(data), "coverage": history[0]["coverage"],
         "final_eval": evals[-1] if evals else None, "train_seconds": time.perf_counter() - t0,
     }

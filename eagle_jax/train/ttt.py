@@ -344,16 +344,33 @@ def train_draft(
     round_to: int = 64,
     on_log: Callable[[dict[str, Any]], None] | None = None,
     log_every: int = 10,
+    init: Eagle3Draft | None = None,
+    on_epoch: Callable[[int, Eagle3Draft], None] | None = None,
 ) -> tuple[Eagle3Draft, list[dict[str, Any]]]:
     """Select the draft vocabulary, initialise and train a draft. Returns (draft, history).
 
-    ``history`` holds one record per logged step and one per evaluation (per epoch end
-    when ``eval_data`` is given); ``on_log`` sees each record as it is made.
+    ``init``: continue from this draft (float32, made for ``target``; its vocabulary is
+    kept and ``cfg.draft_vocab_size`` / ``intermediate_size`` are ignored) instead of a
+    fresh one. ``history`` holds one record per logged step and one per evaluation (per
+    epoch end when ``eval_data`` is given); ``on_log`` sees each record as it is made;
+    ``on_epoch(epoch, draft)`` is called after each full pass (e.g. to save a snapshot).
     """
-    ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
+    if init is None:
+        ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
+        draft = init_draft(target, ids, cfg)
+    else:
+        if init.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
+        ids = np.asarray(init.d2t[...]) + np.arange(init.config.draft_vocab_size)
+        # Fresh copies: the trainer donates the trainable parameters it starts from.
+        graph, state = nnx.split(init)
+
+        def fresh(x):
+            return jnp.array(x, dtype=jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, copy=True)
+
+        draft = nnx.merge(graph, jax.tree.map(fresh, state))
     coverage = vocab_coverage(data, ids, target.config.vocab_size)
     log.info("draft vocabulary: %d ids cover %.2f%% of the response tokens", len(ids), 100 * coverage)
-    draft = init_draft(target, ids, cfg)
     lengths = np.asarray(data.lengths)
     steps_per_epoch = -(-len(data) // cfg.batch_size)
     total = max(1, int(round(cfg.epochs * steps_per_epoch)))
@@ -370,6 +387,7 @@ def train_draft(
     rng = np.random.default_rng(cfg.seed)
     t0 = time.perf_counter()
     max_len = data.tokens.shape[1]
+    epoch = 0
     while trainer.step_count < total:
         for idx, width in _length_batches(lengths, cfg.batch_size, rng, round_to, max_len):
             if trainer.step_count >= total:
@@ -382,6 +400,9 @@ def train_draft(
                     "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
                     "elapsed_s": time.perf_counter() - t0,
                 })
+        epoch += 1
+        if on_epoch is not None and trainer.step_count % steps_per_epoch == 0:
+            on_epoch(epoch, trainer.draft)
         if eval_data is not None:
             ev = trainer.evaluate(eval_data, round_to=round_to)
             emit({

@@ -69,6 +69,15 @@ def test_train_draft_then_generate_with_it(tiny_dir, data_dir, tmp_path):
     assert outs["spec"]["token_ids"] == outs["plain"]["token_ids"]
     assert outs["spec"]["accept_lengths"]
 
+    # Continue training it: the vocabulary is kept, a snapshot is written per epoch.
+    more = tmp_path / "more"
+    r = run("train-draft", "--model", tiny_dir, "--data", data_dir, "--out", more, "--init-draft", out, "--draft-vocab", "100",
+            "--ttt-length", "2", "--epochs", "1", "--batch-size", "8", "--save-epochs", "--save-dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((more / "config.json").read_text())["draft_vocab_size"] == 150
+    assert json.loads((more / "epoch-1" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert json.loads((more / "training.json").read_text())["init_draft"] == str(out)
+
     # Existing output directory, and data made for another target, are refused.
     r = run("train-draft", "--model", tiny_dir, "--data", data_dir, "--out", out)
     assert r.returncode == 2 and "--overwrite" in r.stderr
