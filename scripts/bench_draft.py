@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from demo import QUESTIONS  # noqa: E402
 
 CONFIGS = {
+    "chain S=1": SpeculativeConfig(num_steps=1),
     "chain S=2": SpeculativeConfig(num_steps=2),
     "chain S=3": SpeculativeConfig(num_steps=3),
     "chain S=4": SpeculativeConfig(num_steps=4),

@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--topk", type=int, default=1, help="draft branching (1 = chain)")
+    ap.add_argument("--draft-tokens", type=int, default=None, help="tokens verified per step (chain: steps + 1)")
     ap.add_argument("--threshold", type=int, default=4, help="spec_disable_batch_threshold of the cutoff engine")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -90,7 +92,8 @@ def main():
     top = max(args.batches)
     base = dict(max_batch=top, max_seq_len=128, batch_buckets=tuple(sorted(set(args.batches))), prompt_buckets=(64, 128),
                 time_phases=args.time_phases)
-    spec = SpeculativeConfig(num_steps=args.steps)
+    spec = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
+    shape = f"chain S={spec.num_steps}" if spec.is_chain else f"tree S={spec.num_steps} k={spec.topk} T={spec.num_draft_tokens}"
     modes = {
         "on": EngineConfig(speculative=spec, **base),
         "off": EngineConfig(speculative=spec, spec_disable_batch_threshold=0, **base),
@@ -98,7 +101,7 @@ def main():
     }
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2 float32; "
-          f"draft {args.draft or 'random (8192 vocab)'}; chain S={args.steps}; cutoff threshold {args.threshold}"
+          f"draft {args.draft or 'random (8192 vocab)'}; {shape}; cutoff threshold {args.threshold}"
           + ("; time_phases on (draft and verify synced apart: tok/s below are not the fused step's)" if args.time_phases else ""))
     table = {}
     engines = {}
@@ -130,7 +133,7 @@ def main():
             print(f"{b:>6}{ms(on['draft_ms_per_step']):>10}{ms(on['verify_ms_per_step']):>11}{share:>9}"
                   f"{ms(cut['draft_ms_per_step']):>14}{ms(cut['verify_ms_per_step']):>15}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"draft": str(args.draft or "random"), "threshold": args.threshold, "steps": args.steps,
+    args.out.write_text(json.dumps({"draft": str(args.draft or "random"), "threshold": args.threshold, "steps": args.steps, "topk": spec.topk, "draft_tokens": spec.num_draft_tokens,
                                     "new_tokens": args.new_tokens, "time_phases": args.time_phases, "rows": rows}, indent=2))
     print(f"saved {args.out}")
 

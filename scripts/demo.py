@@ -7,7 +7,7 @@ it runs the same chat prompts greedily through a speculative engine and a plain 
 checks that the outputs are identical, and prints the mean accept length and the
 speedup. Without a draft it generates plainly and says why there is no speedup to show.
 
-    python scripts/demo.py [--model DIR] [--draft DIR] [--max-new-tokens 64]
+    python scripts/demo.py [--model DIR] [--draft DIR] [--max-new-tokens 64] [--steps 3 --topk 4 --draft-tokens 8]
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ def main():
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=5)
+    # The fastest shape measured for the released draft on a 2-core CPU (results/bench_draft.json).
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--draft-tokens", type=int, default=8)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("eagle_jax").setLevel(logging.INFO)
@@ -63,16 +66,18 @@ def main():
     print(f"\nplain decoding: {plain_tps:.1f} tokens/s (batch 1, greedy, float32)")
     if not draft_dir.is_dir():
         print(
-            f"\nno EAGLE-3 draft at {draft_dir}: no draft has been released for the default model yet, "
+            f"\nno EAGLE-3 draft at {draft_dir} (the released one is committed there; was it deleted?), "
             "so there is no speculative speedup to show. Pass --draft DIR to measure one."
         )
         return
-    spec = Engine(str(model_dir), str(draft_dir), EngineConfig(speculative=SpeculativeConfig(num_steps=args.steps), **base), tok)
+    shape = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
+    spec = Engine(str(model_dir), str(draft_dir), EngineConfig(speculative=shape, **base), tok)
     spec_out, spec_tps = timed_run(spec, prompts, sp)
     same = [a.token_ids == b.token_ids for a, b in zip(plain_out, spec_out)]
     accepts = [a for c in spec_out for a in c.accept_lengths]
     print(
-        f"speculative (chain of {args.steps}): {spec_tps:.1f} tokens/s, mean accept length "
+        f"speculative ({'chain' if shape.is_chain else 'tree'} S={shape.num_steps} k={shape.topk} T={shape.num_draft_tokens}, "
+        f"draft {draft_dir}): {spec_tps:.1f} tokens/s, mean accept length "
         f"{sum(accepts) / max(len(accepts), 1):.2f}, speedup {spec_tps / plain_tps:.2f}x; "
         f"outputs identical to plain decoding: {all(same)}"
     )
