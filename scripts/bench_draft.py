@@ -44,14 +44,10 @@ CONFIGS = {
 }
 
 
-def timed(engine, prompts, sp, repeats):
-    engine.generate(prompts[:1], sp)  # warm the host path
-    rates = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = engine.generate(prompts, sp)
-        rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t))
-    return out, statistics.median(rates), rates
+def run_once(engine, prompts, sp):
+    t = time.perf_counter()
+    out = engine.generate(prompts, sp)
+    return out, sum(len(c.token_ids) for c in out) / (time.perf_counter() - t)
 
 
 def main():
@@ -60,7 +56,7 @@ def main():
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--prompts", type=int, default=16, help="held-out built-in prompts (plus the 4 demo questions)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts; medians reported")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--out", type=Path, default=Path("results/bench_draft.json"))
     args = ap.parse_args()
@@ -76,27 +72,37 @@ def main():
     base = dict(max_batch=1, max_seq_len=256, prompt_buckets=(64, 256))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; {model_dir} float32; "
           f"draft {draft_dir}; {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, batch 1")
-    plain_out, plain_tps, plain_runs = timed(Engine(target, None, EngineConfig(speculative=None, **base), tok, progress=False), prompts, sp, args.repeats)
-    print(f"{'plain':<18}{plain_tps:>8.1f} tok/s")
-    rows = [{"config": "plain", "tokens_per_s": plain_tps, "runs": plain_runs}]
+    engines = {"plain": Engine(target, None, EngineConfig(speculative=None, **base), tok, progress=False)}
     for name in args.configs:
-        engine = Engine(target, draft, EngineConfig(speculative=CONFIGS[name], **base), tok, progress=False)
-        out, tps, runs = timed(engine, prompts, sp, args.repeats)
+        engines[name] = Engine(target, draft, EngineConfig(speculative=CONFIGS[name], **base), tok, progress=False)
+    for engine in engines.values():
+        engine.generate(prompts[:1], sp)  # warm the host path
+    # Repeats interleave the configurations, so slow drifts of the machine hit all alike.
+    outs, runs = {}, {name: [] for name in engines}
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            outs[name], tps = run_once(engine, prompts, sp)
+            runs[name].append(tps)
+    plain_tps = statistics.median(runs["plain"])
+    plain_out = outs["plain"]
+    print(f"{'plain':<18}{plain_tps:>8.1f} tok/s")
+    rows = [{"config": "plain", "tokens_per_s": plain_tps, "runs": runs["plain"]}]
+    for name in args.configs:
+        out, tps = outs[name], statistics.median(runs[name])
         same = all(a.token_ids == b.token_ids for a, b in zip(out, plain_out))
         accepts = [a for c in out for a in c.accept_lengths]
-        s = engine.metrics.summary()
+        s = engines[name].metrics.summary()
         row = {
-            "config": name, "tokens_per_s": tps, "runs": runs, "speedup": tps / plain_tps,
+            "config": name, "tokens_per_s": tps, "runs": runs[name], "speedup": tps / plain_tps,
             "mean_accept_length": sum(accepts) / len(accepts), "identical_to_plain": same,
             "acceptance_rate_by_depth": s["acceptance_rate_by_depth"],
         }
         rows.append(row)
         print(f"{name:<18}{tps:>8.1f} tok/s  speedup {row['speedup']:.2f}x  accept {row['mean_accept_length']:.2f}  identical {same}")
-        del engine
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "draft": str(draft_dir), "prompts": questions, "max_new_tokens": args.max_new_tokens,
-        "plain_tokens": sum(len(c.token_ids) for c in plain_out), "rows": rows,
+        "repeats": args.repeats, "plain_tokens": sum(len(c.token_ids) for c in plain_out), "rows": rows,
     }, indent=2) + "\n")
     print(f"saved {args.out}")
 
