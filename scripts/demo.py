@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    # The fastest shape measured for the released draft on a 2-core CPU (results/bench_draft.json).
+    # Tied fastest (with chain S=2) for the released draft on a 2-core CPU (results/bench_draft.json).
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--draft-tokens", type=int, default=8)
