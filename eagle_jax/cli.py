@@ -161,8 +161,9 @@ def cmd_generate(args) -> int:
         if draft_dir is None:
             print("note: no draft (pass --draft DIR); decoding without speculation", file=sys.stderr)
         else:
-            k, steps = args.topk, args.steps
-            t = args.draft_tokens if args.draft_tokens is not None else (min(8, 1 + k + (steps - 1) * k * k) if k > 1 else None)
+            t = args.draft_tokens
+            if t is None and args.topk > 1:
+                t = min(8, SpeculativeConfig.max_draft_tokens(args.steps, args.topk))
             spec = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=t)
     tok = Tokenizer.from_dir(model_dir)
     prompts = []

@@ -694,9 +694,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> di
         metrics.accepted_at_depth = np.zeros(config.speculative.num_steps, np.int64)
     spec = config.speculative
     spec_desc = (
-        "off" if spec is None else
-        (f"chain S={spec.num_steps}" if spec.is_chain else f"tree S={spec.num_steps} k={spec.topk} T={spec.num_draft_tokens}")
-        + (f", sampling verify {spec.sampling_verify}")
+        "off" if spec is None else f"{spec.shape}, sampling verify {spec.sampling_verify}"
     )
     cutoff = (
         "none" if config.spec_disable_batch_threshold is None or spec is None else

@@ -109,7 +109,7 @@ class SpeculativeConfig:
                 )
             object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
         else:
-            most = 1 + self.topk + (self.num_steps - 1) * self.topk**2
+            most = self.max_draft_tokens(self.num_steps, self.topk)
             if not isinstance(t, int) or not 2 <= t <= most:
                 raise ConfigError(
                     f"num_draft_tokens={t!r} with topk={self.topk}, num_steps={self.num_steps} must be an "
@@ -120,9 +120,21 @@ class SpeculativeConfig:
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ConfigError(f"{name}={v!r} must be in (0, 1] (1 = exact)")
 
+    @staticmethod
+    def max_draft_tokens(num_steps: int, topk: int) -> int:
+        """The most tokens a tree can verify: the root plus k + (S-1)k^2 scored nodes."""
+        return 1 + topk + (num_steps - 1) * topk**2
+
     @property
     def is_chain(self) -> bool:
         return self.topk == 1
+
+    @property
+    def shape(self) -> str:
+        """``"chain S=5"`` or ``"tree S=3 k=4 T=8"`` (for logs and tables)."""
+        if self.is_chain:
+            return f"chain S={self.num_steps}"
+        return f"tree S={self.num_steps} k={self.topk} T={self.num_draft_tokens}"
 
     @property
     def max_accept(self) -> int:

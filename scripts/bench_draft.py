@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -32,7 +31,7 @@ from eagle_jax.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from demo import QUESTIONS  # noqa: E402
+from demo import QUESTIONS, run_once  # noqa: E402
 
 CONFIGS = {
     "chain S=1": SpeculativeConfig(num_steps=1),
@@ -42,12 +41,6 @@ CONFIGS = {
     "chain S=5": SpeculativeConfig(num_steps=5),
     "tree S=3 k=4 T=8": SpeculativeConfig(num_steps=3, topk=4, num_draft_tokens=8),
 }
-
-
-def run_once(engine, prompts, sp):
-    t = time.perf_counter()
-    out = engine.generate(prompts, sp)
-    return out, sum(len(c.token_ids) for c in out) / (time.perf_counter() - t)
 
 
 def main():

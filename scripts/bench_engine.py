@@ -39,7 +39,6 @@ from eagle_jax.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 
-
 def run(engine: Engine, prompts, sp, repeats: int) -> dict:
     """Median tokens/s over ``repeats`` runs of the prompts (after one warm-up request)."""
     engine.generate(prompts[:1], sp)  # warm the host path
@@ -93,7 +92,6 @@ def main():
     base = dict(max_batch=top, max_seq_len=128, batch_buckets=tuple(sorted(set(args.batches))), prompt_buckets=(64, 128),
                 time_phases=args.time_phases)
     spec = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
-    shape = f"chain S={spec.num_steps}" if spec.is_chain else f"tree S={spec.num_steps} k={spec.topk} T={spec.num_draft_tokens}"
     modes = {
         "on": EngineConfig(speculative=spec, **base),
         "off": EngineConfig(speculative=spec, spec_disable_batch_threshold=0, **base),
@@ -101,7 +99,7 @@ def main():
     }
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2 float32; "
-          f"draft {args.draft or 'random (8192 vocab)'}; {shape}; cutoff threshold {args.threshold}"
+          f"draft {args.draft or 'random (8192 vocab)'}; {spec.shape}; cutoff threshold {args.threshold}"
           + ("; time_phases on (draft and verify synced apart: tok/s below are not the fused step's)" if args.time_phases else ""))
     table = {}
     engines = {}

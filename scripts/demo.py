@@ -31,11 +31,16 @@ QUESTIONS = [
 ]
 
 
-def timed_run(engine: Engine, prompts, sp):
-    engine.generate(prompts[:1], sp)  # warm the host path
+def run_once(engine: Engine, prompts, sp):
+    """(completions, tokens/s) of one pass over the prompts."""
     t = time.perf_counter()
     out = engine.generate(prompts, sp)
     return out, sum(len(c.token_ids) for c in out) / (time.perf_counter() - t)
+
+
+def timed_run(engine: Engine, prompts, sp):
+    engine.generate(prompts[:1], sp)  # warm the host path
+    return run_once(engine, prompts, sp)
 
 
 def main():
@@ -70,13 +75,13 @@ def main():
             "so there is no speculative speedup to show. Pass --draft DIR to measure one."
         )
         return
-    shape = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
-    spec = Engine(str(model_dir), str(draft_dir), EngineConfig(speculative=shape, **base), tok)
+    spec_cfg = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
+    spec = Engine(str(model_dir), str(draft_dir), EngineConfig(speculative=spec_cfg, **base), tok)
     spec_out, spec_tps = timed_run(spec, prompts, sp)
     same = [a.token_ids == b.token_ids for a, b in zip(plain_out, spec_out)]
     accepts = [a for c in spec_out for a in c.accept_lengths]
     print(
-        f"speculative ({'chain' if shape.is_chain else 'tree'} S={shape.num_steps} k={shape.topk} T={shape.num_draft_tokens}, "
+        f"speculative ({spec_cfg.shape}, "
         f"draft {draft_dir}): {spec_tps:.1f} tokens/s, mean accept length "
         f"{sum(accepts) / max(len(accepts), 1):.2f}, speedup {spec_tps / plain_tps:.2f}x; "
         f"outputs identical to plain decoding: {all(same)}"

@@ -11,7 +11,6 @@ released format, with training_log.jsonl and training.json beside it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -20,16 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from eagle_jax.cli import _positive_int
 from eagle_jax.errors import InputError
 
 log = logging.getLogger(__name__)
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s} must be >= 1")
-    return v
 
 
 def add_parsers(sub) -> None:

@@ -272,7 +272,7 @@ class DraftTrainer:
 
     def __init__(self, draft: Eagle3Draft, target: LlamaModel, cfg: TrainConfig, total_steps: int):
         self.cfg = cfg
-        ids = np.asarray(draft.d2t[...]) + np.arange(draft.config.draft_vocab_size)
+        ids = np.asarray(draft.draft_to_target(jnp.arange(draft.config.draft_vocab_size)))
         self.target_head = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
         self.graph, self.params, self.frozen = nnx.split(draft, TRAINABLE, ...)
         schedule = optax.warmup_cosine_decay_schedule(
@@ -361,7 +361,7 @@ def train_draft(
     else:
         if init.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
-        ids = np.asarray(init.d2t[...]) + np.arange(init.config.draft_vocab_size)
+        ids = np.asarray(init.draft_to_target(jnp.arange(init.config.draft_vocab_size)))
         # Fresh copies: the trainer donates the trainable parameters it starts from.
         graph, state = nnx.split(init)
 

@@ -14,6 +14,7 @@ from eagle_jax.checkpoint.draft_io import load_draft, random_draft, save_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.generate import Buckets, Generator
+from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import SpecState, SpeculativeConfig, _draft_extend, draft_tree, new_state, speculative_generate
 from eagle_jax.train.data import Conversation, FeatureSet, extract_features, read_conversations, write_conversations
 from eagle_jax.train.ttt import (
@@ -75,22 +76,17 @@ def test_ttt_forward_is_chain_drafting(target, anchor):
     seq = np.pad(seq, ((0, 0), (0, length + 4 - seq.shape[1])))
     feats = np.pad(features, ((0, 0), (0, 4), (0, 0)))
     logits = ttt_forward(draft, jnp.asarray(seq), jnp.asarray(feats), ttt_length=steps)
-    cum = 1.0
     for t in range(steps):
         p = np.asarray(jax.nn.softmax(logits[t][0, anchor]))
         assert int(draft.draft_to_target(jnp.argmax(p))) == chain[t + 1], f"step {t}"
-        cum *= p.max()
     # draft_tree ranks a chain node by the product of its path's probabilities.
     d_scores = np.asarray(jax.nn.softmax(draft.logits(h[None]))).max()
     assert np.isclose(float(np.asarray(jax.nn.softmax(logits[0][0, anchor])).max()), d_scores, rtol=1e-5)
-    assert cum > 0
 
 
 def _conversations(target, n, seed):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 200, int(rng.integers(3, 9))).tolist() for _ in range(n)]
-    from eagle_jax.sampling import SamplingParams
-
     gen = Generator(target, buckets=Buckets(batch=(16,), prompt=(16,), cache=(64,)), max_seq_len=64)
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=40))
     return [Conversation(p, o.token_ids) for p, o in zip(prompts, outs)], prompts
@@ -165,14 +161,12 @@ def test_training_makes_a_draft_that_speculation_accepts(target, tmp_path):
     assert evals[-1]["loss"][0] < evals[0]["loss"][0] - 0.3
     assert min(evals[-1]["acc"]) > 0.5
     save_draft(draft, tmp_path / "draft")
-    assert not (tmp_path / "draft" / "model.safetensors").stat().st_size == 0
+    assert (tmp_path / "draft" / "model.safetensors").stat().st_size > 0
     loaded = load_draft(tmp_path / "draft", target=target)
 
     _, held_out = _conversations(target, 8, seed=99)
     spec = SpeculativeConfig(num_steps=3)
     buckets = Buckets(batch=(8,), prompt=(16,), cache=(64,))
-    from eagle_jax.sampling import SamplingParams
-
     sp = SamplingParams(max_new_tokens=40)
     plain = Generator(target, buckets=buckets, max_seq_len=64).generate(held_out, sp)
     trained = speculative_generate(target, loaded, held_out, spec, sp, buckets=buckets, max_seq_len=64)
