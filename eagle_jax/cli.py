@@ -10,32 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from eagle_jax.errors import EagleJaxError
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_DRAFT_NAME = "smollm2-135m-instruct-eagle3"
+from eagle_jax.defaults import (  # noqa: F401  (re-exported for scripts written against cli)
+    DEFAULT_DRAFT_NAME,
+    DEFAULT_MODEL_NAME,
+    default_draft_dir,
+    default_model_dir,
+    enable_compilation_cache,
+    positive_int,
+)
 
-
-def default_model_dir() -> Path:
-    """$EAGLE_JAX_MODEL, else checkpoints/<default> in the working directory, else beside the package."""
-    env = os.environ.get("EAGLE_JAX_MODEL")
-    if env:
-        return Path(env)
-    here = Path.cwd() / "checkpoints" / DEFAULT_MODEL_NAME
-    if here.is_dir():
-        return here
-    return Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL_NAME
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s} must be >= 1")
-    return v
+_positive_int = positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,10 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     i.set_defaults(func=cmd_import_gguf)
 
-    from eagle_jax import doctor
+    from eagle_jax import doctor, evaluate
     from eagle_jax.train import commands as train_commands
 
     doctor.add_parser(sub)
+    evaluate.add_parser(sub)
     train_commands.add_parsers(sub)
     return p
 
@@ -100,25 +90,20 @@ def _load_records(args):
     return [PromptRecord(0, prompt=args.prompt)]
 
 
-def default_draft_dir() -> Path:
-    """The released draft for the default model ($EAGLE_JAX_DRAFT overrides)."""
-    env = os.environ.get("EAGLE_JAX_DRAFT")
-    if env:
-        return Path(env)
-    return default_model_dir().parent / DEFAULT_DRAFT_NAME
-
-
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _enable_compilation_cache() -> None:
-    """Reuse compiled graphs across runs (start-up compiles every bucket)."""
-    import jax
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-        jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))
+def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to the one that holds ``longest`` (capped at
+    ``max_seq_len``): each prompt is prefilled at its own bucket, so a short prompt in a
+    file of long documents costs what it costs alone."""
+    top = min(_pow2_at_least(longest), max_seq_len)
+    out, v = [], min(smallest, top)
+    while v < top:
+        out.append(v)
+        v *= 2
+    return tuple(out) + (top,)
 
 
 def _phase_figures(summary: dict) -> str:
@@ -190,13 +175,13 @@ def cmd_generate(args) -> int:
         max_batch=batch,
         max_seq_len=max_seq_len,
         batch_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch) + (batch,),
-        prompt_buckets=(min(_pow2_at_least(longest), max_seq_len), max_seq_len) if _pow2_at_least(longest) < max_seq_len else (max_seq_len,),
+        prompt_buckets=prompt_buckets_for(longest, max_seq_len),
         dtype=args.dtype,
         speculative=spec,
         spec_disable_batch_threshold=threshold,
         time_phases=args.time_phases and spec is not None,
     )
-    _enable_compilation_cache()
+    enable_compilation_cache()
     engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
     params = [SamplingParams(**{**base.__dict__, "seed": (base.seed + i) % 2**32}) for i in range(len(records))]
     if args.output is None and len(records) == 1:
@@ -228,7 +213,9 @@ def cmd_generate(args) -> int:
                 "token_ids": c.token_ids,
                 "text": c.text,
                 "finish_reason": c.finish_reason,
-                "tokens_per_second": round(c.tokens_per_second, 3),
+                # Timing: queue_s (arrival to admission), ttft_s (arrival to the first token),
+                # decode_tokens_per_second (after the first token), tokens_per_second (from arrival).
+                **c.timing(),
                 "accept_lengths": c.accept_lengths,
                 "mean_accept_length": round(c.mean_accept_length, 4),
             }

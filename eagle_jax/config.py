@@ -41,6 +41,30 @@ def read_config_json(path: str | Path, kind: str) -> dict[str, Any]:
     return d
 
 
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
+
+
+def _check_unsupported_fields(d: dict[str, Any]) -> None:
+    """Refuse config.json fields that change the computation in ways this decoder does not
+    implement, naming the field: silently dropping one gives a model that loads and is
+    wrong."""
+    act = d.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ConfigError(f"config.json: hidden_act={act!r} is not supported; supported: silu")
+    window = d.get("sliding_window")
+    if window is not None and d.get("use_sliding_window", True):
+        ctx = d.get("max_position_embeddings", 2048)
+        if not isinstance(window, int) or window < ctx:
+            raise ConfigError(
+                f"config.json: sliding_window={window!r} (with use_sliding_window not false) is not supported: "
+                f"this decoder attends over the whole context (max_position_embeddings={ctx}); supported: "
+                "sliding_window null, use_sliding_window false, or a window >= max_position_embeddings"
+            )
+    rs = d.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        raise ConfigError(f"config.json: rope_scaling={rs!r} must be an object or null")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling (Hugging Face ``rope_scaling``)."""
@@ -54,8 +78,8 @@ class RopeScaling:
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
-                f"valid: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"config.json: rope_scaling.rope_type={self.rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor={self.factor} must be > 0")
@@ -158,6 +182,7 @@ class ModelConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
+        _check_unsupported_fields(d)
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         rs = d.get("rope_scaling") or {}

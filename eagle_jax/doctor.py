@@ -43,6 +43,8 @@ REQUIRED_PACKAGES = (
     ("jinja2", "jinja2"),
     ("gguf", "gguf"),
     ("rich", "rich"),
+    ("matplotlib", "matplotlib"),
+    ("optax", "optax"),
 )
 OPTIONAL_PACKAGES = (
     ("torch", "torch"),
@@ -354,18 +356,20 @@ def _tensor_files(check: dict[str, Any], path: Path) -> dict[str, Path] | None:
 
 def check_model(path: Path) -> tuple[dict[str, Any], Any]:
     """Check a target model directory; returns the check and its ModelConfig (None if unreadable)."""
-    from eagle_jax.checkpoint.hf import param_name_map
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.model import LlamaModel
+    from eagle_jax.config import read_config_json
+    from eagle_jax.target import family_for
 
     check = _new_check("model", path)
     try:
-        cfg = ModelConfig.from_dir(path)
+        raw = read_config_json(path, "checkpoint")
+        family = family_for(raw, str(path / "config.json"))  # the implementation the loader would pick
+        cfg = family.config_from_hf(raw)
     except CONFIG_ERRORS as e:
         _fail(check, _config_message(e), file="config.json")
         return check, None
     check["info"]["config"] = {
         "architecture": cfg.architecture,
+        "implementation": family.name,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
@@ -374,7 +378,7 @@ def check_model(path: Path) -> tuple[dict[str, Any], Any]:
     }
     files = _tensor_files(check, path)
     if files is not None:
-        check_tensors(check, files, expected_shapes(lambda: LlamaModel(cfg), param_name_map(cfg)))
+        check_tensors(check, files, expected_shapes(lambda: family.module(cfg), family.param_names(cfg)))
     check_tokenizer(check, path, cfg.vocab_size)
     return check, cfg
 
@@ -405,7 +409,7 @@ def check_tokenizer(check: dict[str, Any], path: Path, vocab_size: int) -> None:
 
 def check_draft(path: Path, target_cfg: Any) -> tuple[dict[str, Any], Any]:
     """Check an EAGLE-3 draft directory; returns the check and its DraftConfig (None if unreadable)."""
-    from eagle_jax.checkpoint.draft_io import D2T, T2D, draft_name_map, read_draft_config
+    from eagle_jax.checkpoint.draft_io import D2T, T2D, describe_feature_layers, draft_name_map, read_draft_config
     from eagle_jax.draft import Eagle3Draft
 
     check = _new_check("draft", path)
@@ -422,6 +426,14 @@ def check_draft(path: Path, target_cfg: Any) -> tuple[dict[str, Any], Any]:
         "aux_layer_ids": list(cfg.aux_layer_ids),
         "has_embed_tokens": cfg.has_embed_tokens,
     }
+    # Which target streams the draft is fed, to compare with what it was trained on. With a
+    # target, read_draft_config has already bounded the ids by N; without one, N (and so
+    # the default) is unknown.
+    check["info"]["feature_layers"] = (
+        describe_feature_layers(cfg.aux_layer_ids, target_cfg.num_hidden_layers)
+        if target_cfg is not None
+        else f"entering target layers {', '.join(map(str, cfg.aux_layer_ids))} (no target to compare with)"
+    )
     files = _tensor_files(check, path)
     if files is None:
         return check, cfg
@@ -457,7 +469,7 @@ def check_compatibility(draft_cfg: Any, target_cfg: Any) -> dict[str, Any]:
 
 def _resolve_model(model: Path | None) -> tuple[Path | None, str]:
     """The model directory to check and where it came from (--model or the CLI's default)."""
-    from eagle_jax.cli import default_model_dir
+    from eagle_jax.defaults import default_model_dir
 
     if model is not None:
         return model, "--model"
@@ -563,6 +575,8 @@ def _check_lines(check: dict[str, Any]) -> list[str]:
     head = f"  {tag} {check['name']:<14} "
     indent = " " * len(head)
     lines = [head + detail]
+    if "feature_layers" in info:
+        lines.append(f"{indent}features: {info['feature_layers']}")
     if "tensors_expected" in info:
         extra = f", {len(info['unexpected_tensors'])} unexpected" if info["unexpected_tensors"] else ""
         dtypes = ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())

@@ -40,6 +40,9 @@ class DraftConfig:
     ``has_embed_tokens``: the draft carries its own embedding; when False it uses the
     target's (and then ``hidden_size`` must equal the target's). ``norm_before_residual``
     is vLLM's variant that takes the residual after ``hidden_norm``.
+    ``target_num_hidden_layers``: the target's N when known (built for or loaded with a
+    target); a writer needs it to tell the target's default feature layers, whose ids it
+    omits, from others.
     """
 
     hidden_size: int
@@ -57,6 +60,7 @@ class DraftConfig:
     max_position_embeddings: int = 2048
     has_embed_tokens: bool = False
     norm_before_residual: bool = False
+    target_num_hidden_layers: int | None = None
 
     def __post_init__(self):
         # Lists (e.g. from JSON) would make the config unhashable.
@@ -105,6 +109,15 @@ class DraftConfig:
         for name in ("has_embed_tokens", "norm_before_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"draft {name}={getattr(self, name)!r} must be True or False")
+        n = self.target_num_hidden_layers
+        if n is not None:
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                raise ConfigError(f"draft target_num_hidden_layers={n!r} must be a positive integer or None")
+            if max(ids) > n:
+                raise ConfigError(
+                    f"draft aux_layer_ids={ids} has {max(ids)}, outside [0, {n}] for "
+                    f"target_num_hidden_layers={n}"
+                )
 
     @property
     def num_hidden_layers(self) -> int:
@@ -141,7 +154,7 @@ class DraftConfig:
 
         Same hidden size, heads, head size, norm epsilon and RoPE as the target, features
         from the target's ``feature_layer_ids``, ``draft_vocab_size = min(V, 32000)``, the
-        target's embedding. ``overrides`` replace any field.
+        target's embedding and layer count. ``overrides`` replace any field.
         """
         fields: dict[str, Any] = dict(
             hidden_size=target_cfg.hidden_size,
@@ -157,6 +170,7 @@ class DraftConfig:
             rope_theta=target_cfg.rope_theta,
             rope_scaling=target_cfg.rope_scaling,
             max_position_embeddings=target_cfg.max_position_embeddings,
+            target_num_hidden_layers=target_cfg.num_hidden_layers,
         )
         fields.update(overrides)
         return cls(**fields)

@@ -1,40 +1,47 @@
-"""The engine: continuous batching over compiled steps, with the batch-size speculation cutoff.
+"""The engine: one host loop over a step table, with a speculation policy.
 
 Lifecycle (objects are whole or absent):
 
 1. ``EngineConfig`` validates every field in ``__post_init__``.
-2. ``Engine(...)`` loads the models, checks that the draft fits the target, and compiles
-   every graph it will ever run — prefill per prompt bucket, row insert and resize per
-   batch bucket, and the speculative and plain steps per batch bucket — by running each
-   once (our CUDA-graph capture). Only then does an ``Engine`` instance come into being
-   (the build happens in ``__new__``), so a failure anywhere raises the original error,
-   with a note saying what was being built, and leaves no half-built engine to call.
+2. ``Engine(...)`` loads the models, checks that the draft fits the target, builds the
+   ``runtime.StepTable`` (every graph it will ever run: prefill per prompt bucket and
+   prefill batch, row insert and resize per batch bucket, the plain step and every
+   speculative shape the policy may choose per batch bucket) and compiles it. Only then
+   does an ``Engine`` instance come into being (the build happens in ``__new__``), so a
+   failure anywhere raises the original error, with a note saying what was being built,
+   and leaves no half-built engine to call. After that the table cannot compile.
 3. ``step()`` is the host loop's unit: admit queued requests into free slots (growing the
-   batch bucket if needed), pick speculative or plain by the cutoff, dispatch the step,
-   then handle the *previous* step's tokens while the device runs this one.
+   batch bucket if needed; requests admitted together are prefilled in one call per
+   prompt bucket), ask the policy which step to run, dispatch it, then handle the
+   *previous* step's tokens while the device runs this one.
 
-Phase timing (``EngineConfig.time_phases``): the speculative step is then run as its two
-graphs, the draft phase and the verify phase (``SpecSteps.draft_phase`` /
-``verify_phase``), each waited for, so ``EngineMetrics`` can say how the step's time
-splits between drafting and verification. It is a measuring mode: the syncs cost the
-host/device overlap, so steps are slower than the default fused step.
+This is the only host loop: ``generate.Generator`` and ``generate.SpeculativeGenerator``
+are thin wrappers that size an engine to their call.
+
+Phase timing (``EngineConfig.time_phases``): speculative steps run as their two graphs,
+the draft phase and the verify phase, each waited for, so ``EngineMetrics`` can say how
+the step's time splits between drafting and verification. It is a measuring mode: the
+syncs cost the host/device overlap, so steps are slower than the default fused step.
 
 Slots: the live batch is a ``SpecState`` whose rows are slots. A bucket change (more
 requests than rows, or few enough to fit a smaller bucket for a while) gathers the live
 rows into a state of the new size; within a bucket, requests join and leave in place.
 
-The cutoff: speculation runs while the padded batch is at most
-``spec_disable_batch_threshold``; above it the plain step runs (the draft still extends
-over every new token, so switching back loses no acceptance). Speculation returns only
-after ``spec_hysteresis_steps`` consecutive steps at or below the threshold, so the mode
-does not flip every step when the batch hovers at the threshold.
+The policy (``eagle_jax.policy``): by default a ``ThresholdPolicy`` built from
+``speculative``, ``spec_disable_batch_threshold`` and ``spec_hysteresis_steps`` (the
+batch-size cutoff with hysteresis); while a plain step runs the draft still extends over
+every new token, so switching back loses no acceptance.
+
+Request timing (``RequestMetrics``): ``queue_s`` is arrival to admission, ``ttft_s``
+arrival to the first token, ``decode_tokens_per_second`` the tokens after the first over
+the time from the first to the last, and ``tokens_per_second`` all tokens over the time
+from arrival to the last (so it includes queueing and prefill).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -47,10 +54,12 @@ import numpy as np
 
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.generate import RequestProgress, check_prompt
-from eagle_jax.model import LlamaModel
-from eagle_jax.sampling import SamplingArrays, SamplingParams
-from eagle_jax.speculative import SpeculativeConfig, SpecState, SpecSteps, new_state
+from eagle_jax.policy import PlainPolicy, SpeculationPolicy, ThresholdPolicy, policy_shapes
+from eagle_jax.requests import RequestProgress, check_prompt
+from eagle_jax.runtime import StepTable
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +82,8 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def compile_count() -> int:
-    """Backend compilations in this process so far (every jit, eager ops included)."""
+    """Backend compilations in this process so far (every jit, eager ops included). For
+    observation only: the guard against compiling in steady state is the step table's."""
     return _COMPILES["total"]
 
 
@@ -96,12 +106,14 @@ class EngineConfig:
       max_batch: requests decoded at once (more are queued).
       max_seq_len: context of one request (prompt + new tokens).
       batch_buckets: padded batch sizes compiled (default powers of two up to max_batch).
-      prompt_buckets: padded prompt lengths compiled for prefill (default 32, 64, ... up
-        to max_seq_len).
+      prompt_buckets: padded prompt lengths compiled for prefill (default powers of two
+        from 64 up to max_seq_len), so a prompt costs what its own bucket costs. A prompt
+        longer than the largest bucket is refused (or truncated, with ``long_prompt``).
       dtype: "float32", "bfloat16", "float16" or None (float32 on CPU, bfloat16 on GPU).
       speculative: draft shape, or None for plain decoding only.
       spec_disable_batch_threshold: speculation runs while the padded batch is <= this;
-        None: always on.
+        None: always on (the seed system's setting; builds a ``ThresholdPolicy`` unless
+        the engine is given another ``policy``).
       spec_hysteresis_steps: consecutive steps at or below the threshold before
         speculation comes back on.
       detect_nan: check every step's logits; a non-finite row raises ``NonFiniteError``.
@@ -113,6 +125,12 @@ class EngineConfig:
         ``EngineMetrics.summary()`` reports ``draft_s``, ``verify_s`` and ``draft_share``.
         Costs the host/device overlap of speculative steps (a measuring mode, not for
         serving); plain steps are unaffected. Needs ``speculative``.
+      prefill_token_budget: requests admitted together are prefilled in one call while
+        their padded prompts fit this many tokens (``runtime.default_prefill_batches``).
+      sampled_steps: compile steps for batches with sampled requests; False compiles the
+        greedy steps only (half the graphs) and refuses requests with temperature > 0.
+      cache_align: round the target cache up to a multiple of this many slots (default:
+        64 on GPUs, the tree-attention kernel's block, so the kernel applies; 1 on CPU).
     """
 
     max_batch: int = 8
@@ -127,6 +145,9 @@ class EngineConfig:
     long_prompt: str = "error"
     kernel_impl: str = "auto"
     time_phases: bool = False
+    prefill_token_budget: int = 512
+    sampled_steps: bool = True
+    cache_align: int | None = None
 
     def __post_init__(self):
         def positive_int(name):
@@ -134,21 +155,23 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")
 
-        for name in ("max_batch", "max_seq_len", "spec_hysteresis_steps"):
+        for name in ("max_batch", "max_seq_len", "spec_hysteresis_steps", "prefill_token_budget"):
             positive_int(name)
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len} must be >= 2 (a prompt token and a new one)")
         if self.batch_buckets is None:
             object.__setattr__(self, "batch_buckets", _powers_of_two(1, self.max_batch))
         if self.prompt_buckets is None:
-            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(32, self.max_seq_len), self.max_seq_len))
+            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), self.max_seq_len))
         for name, top in (("batch_buckets", self.max_batch), ("prompt_buckets", self.max_seq_len)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)
             if not v or any(not isinstance(x, int) or x < 1 for x in v) or list(v) != sorted(set(v)):
                 raise ConfigError(f"{name}={v!r} must be an increasing tuple of positive integers")
-            if v[-1] != top:
-                raise ConfigError(f"{name}={v!r} must end at {top} (the {'max_batch' if name == 'batch_buckets' else 'max_seq_len'})")
+            if name == "batch_buckets" and v[-1] != top:
+                raise ConfigError(f"{name}={v!r} must end at {top} (the max_batch)")
+            if name == "prompt_buckets" and v[-1] > top:
+                raise ConfigError(f"{name}={v!r} must not go past {top} (the max_seq_len)")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r}; valid: None, float32, bfloat16, float16")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -162,14 +185,14 @@ class EngineConfig:
             raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
         if self.kernel_impl not in ("auto", "kernel", "reference"):
             raise ConfigError(f"kernel_impl={self.kernel_impl!r}; valid: auto, kernel, reference")
+        if self.cache_align is not None:
+            positive_int("cache_align")
+        if not isinstance(self.sampled_steps, bool):
+            raise ConfigError(f"sampled_steps={self.sampled_steps!r} must be True or False")
         if not isinstance(self.time_phases, bool):
             raise ConfigError(f"time_phases={self.time_phases!r} must be True or False")
         if self.time_phases and self.speculative is None:
             raise ConfigError("time_phases is set but speculative is None (no draft or verify phase to time)")
-
-    def speculation_allowed(self, padded_batch: int) -> bool:
-        t = self.spec_disable_batch_threshold
-        return self.speculative is not None and (t is None or padded_batch <= t)
 
 
 # ----------------------------------------------------------------------------- requests and metrics
@@ -177,25 +200,51 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class RequestMetrics:
+    """One request's accept lengths and times (``time.perf_counter`` seconds)."""
+
     accept_lengths: list[int] = dataclasses.field(default_factory=list)
     spec_steps: int = 0
     plain_steps: int = 0
     arrival: float = 0.0
+    admitted: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
     finished: float | None = None
 
     @property
     def mean_accept_length(self) -> float:
         return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
 
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to admission (prefill dispatched)."""
+        return None if self.admitted is None else self.admitted - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first token on the host."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def decode_tokens_per_second(self, n_tokens: int) -> float | None:
+        """Tokens after the first over the time from the first to the last (None with
+        fewer than two tokens)."""
+        if n_tokens < 2 or self.first_token is None or self.last_token is None or self.last_token <= self.first_token:
+            return None
+        return (n_tokens - 1) / (self.last_token - self.first_token)
+
     def tokens_per_second(self, n_tokens: int) -> float:
-        if self.finished is None or self.first_token is None:
+        """All tokens over arrival to the last token: includes queueing and prefill."""
+        end = self.last_token if self.last_token is not None else self.finished
+        if end is None or n_tokens == 0:
             return 0.0
-        return n_tokens / max(self.finished - self.arrival, 1e-9)
+        return n_tokens / max(end - self.arrival, 1e-9)
 
 
 @dataclasses.dataclass
 class Completion:
+    """One finished request: the only result type (engine, ``Generator`` and
+    ``SpeculativeGenerator`` all return it)."""
+
     id: Any
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -214,16 +263,39 @@ class Completion:
 
     @property
     def tokens_per_second(self) -> float:
+        """Counted from arrival (includes queueing and prefill); see ``decode_tokens_per_second``."""
         return self.metrics.tokens_per_second(len(self.token_ids))
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        return self.metrics.decode_tokens_per_second(len(self.token_ids))
+
+    @property
+    def queue_s(self) -> float | None:
+        return self.metrics.queue_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.metrics.ttft_s
+
+    def timing(self) -> dict[str, float | None]:
+        """The timing fields of an output row (CLI JSONL), rounded."""
+        r = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
+        return {
+            "queue_s": r(self.queue_s), "ttft_s": r(self.ttft_s),
+            "decode_tokens_per_second": r(self.decode_tokens_per_second, 3),
+            "tokens_per_second": r(self.tokens_per_second, 3),
+        }
 
 
 class _Request:
-    def __init__(self, rid, prompt: list[int], params: SamplingParams, progress: RequestProgress, truncated: bool):
+    def __init__(self, rid, prompt: list[int], params: SamplingParams, progress: RequestProgress, truncated: bool, hook_data=None):
         self.id = rid
         self.prompt = prompt
         self.params = params
         self.progress = progress
         self.truncated = truncated
+        self.hook_data = hook_data
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.cancelled = False
 
@@ -236,6 +308,10 @@ class _Request:
         return Completion(self.id, self.prompt, p.tokens, p.final_text(tokenizer), p.finish_reason, self.metrics, self.truncated)
 
 
+def _shape_name(shape: SpeculativeConfig | None) -> str:
+    return "plain" if shape is None else shape.shape
+
+
 @dataclasses.dataclass
 class EngineMetrics:
     """Engine-wide counters; ``summary()`` gives the derived figures."""
@@ -243,8 +319,10 @@ class EngineMetrics:
     spec_steps: int = 0
     plain_steps: int = 0
     accept_histogram: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    accepted_at_depth: np.ndarray | None = None  # [S] drafts accepted at depth d+1
+    accepted_at_depth: np.ndarray | None = None  # [S_max] drafts accepted at depth d+1
     spec_rows: int = 0  # row-steps with speculation (the denominator per depth)
+    # (batch bucket, shape name) -> steps run; says which shape ran in each bucket.
+    steps_by_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     tokens: int = 0
     host_s: float = 0.0  # Python work of the host loop
     device_wait_s: float = 0.0  # blocked reading results
@@ -265,6 +343,7 @@ class EngineMetrics:
             "spec_steps": self.spec_steps,
             "plain_steps": self.plain_steps,
             "mode_switches": self.mode_switches,
+            "steps_by_bucket": {f"{b}: {name}": c for (b, name), c in sorted(self.steps_by_bucket.items())},
             "mean_accept_length": (sum(k * v for k, v in hist.items()) / n) if n else 0.0,
             "accept_length_histogram": hist,
             "acceptance_rate_by_depth": (
@@ -276,7 +355,9 @@ class EngineMetrics:
             "device_wait_s": round(self.device_wait_s, 4),
             "dispatch_s": round(self.dispatch_s, 4),
             "host_fraction": self.host_s / self.wall_s if self.wall_s else 0.0,
-            "compiles_after_warmup": compile_count() - self.compiles_at_ready,
+            # Process-wide (other engines and libraries count too); the step table itself
+            # cannot compile after start-up.
+            "process_compiles_since_ready": compile_count() - self.compiles_at_ready,
             **self._phase_summary(),
         }
 
@@ -298,19 +379,7 @@ class EngineMetrics:
         }
 
 
-# ----------------------------------------------------------------------------- device helpers
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _insert_row(state: SpecState, row_state: SpecState, row: jax.Array) -> SpecState:
-    """Write a one-row state into row ``row`` of ``state`` (in place: ``state`` is donated)."""
-    return jax.tree.map(lambda s, r: jax.lax.dynamic_update_slice_in_dim(s, r.astype(s.dtype), row, axis=0), state, row_state)
-
-
-@jax.jit
-def _gather_rows(state: SpecState, rows: jax.Array) -> SpecState:
-    """A state made of ``state``'s rows ``rows`` (a bucket change)."""
-    return jax.tree.map(lambda s: jnp.take(s, rows, axis=0), state)
+# ----------------------------------------------------------------------------- loading
 
 
 def _load(target, draft, dtype):
@@ -328,8 +397,8 @@ def _load(target, draft, dtype):
         target = load_model(path, dtype=dtype, config=cfg)
     if isinstance(draft, (str, Path)):
         draft = load_draft(draft, target=target, dtype=dtype)
-    if not isinstance(target, LlamaModel):
-        raise ConfigError(f"target must be a LlamaModel or a checkpoint path, got {type(target).__name__}")
+    if not isinstance(target, TargetModel):
+        raise ConfigError(f"target must be a target model (eagle_jax.target.TargetModel) or a checkpoint path, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, Eagle3Draft):
         raise ConfigError(f"draft must be an Eagle3Draft, a checkpoint path or None, got {type(draft).__name__}")
     return target, draft
@@ -347,20 +416,25 @@ def _tokenizer_for(target_path, tokenizer):
 
 
 class Engine:
-    """Serve many requests on compiled steps, with the batch-size speculation cutoff.
+    """Serve many requests on compiled steps, with a speculation policy.
 
     Args:
-      target: a loaded ``LlamaModel`` or a Hugging Face checkpoint directory.
+      target: a loaded target model or a Hugging Face checkpoint directory.
       draft: an ``Eagle3Draft``, a draft checkpoint directory, or None (needs
         ``config.speculative`` None).
       config: ``EngineConfig``.
       tokenizer: for text prompts and output (default: the target directory's).
+      policy: a ``SpeculationPolicy`` (default: ``ThresholdPolicy`` from the config, or
+        ``PlainPolicy`` without speculation). Every shape it lists is compiled.
+      draft_hook: a tree hook traced into speculative steps, e.g. ``oracle.OracleHook``
+        (measurement only); requests then pass ``hook_data`` rows of ``hook_width`` ints.
       progress: show a progress bar while compiling.
     """
 
-    def __new__(cls, target, draft=None, config: EngineConfig = EngineConfig(), tokenizer=None, *, progress: bool = True):
+    def __new__(cls, target, draft=None, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+                policy: SpeculationPolicy | None = None, draft_hook=None, hook_width: int = 0, progress: bool = True):
         # Everything is built before the instance exists: a failure leaves no engine.
-        parts = _build(target, draft, config, tokenizer, progress)
+        parts = _build(target, draft, config, tokenizer, policy, draft_hook, hook_width, progress)
         self = super().__new__(cls)
         self.__dict__.update(parts)
         return self
@@ -380,8 +454,12 @@ class Engine:
             return [int(t) for t in prompt]
         raise InputError(f"a prompt is text, a list of chat messages or a list of token ids, not {type(prompt).__name__}")
 
-    def add_request(self, prompt, params: SamplingParams = SamplingParams(), *, request_id=None, on_text: Callable[[Any, str], None] | None = None):
-        """Queue a request (text, chat messages or token ids); returns its id."""
+    def add_request(self, prompt, params: SamplingParams = SamplingParams(), *, request_id=None,
+                    on_text: Callable[[Any, str], None] | None = None, hook_data: Sequence[int] | None = None):
+        """Queue a request (text, chat messages or token ids); returns its id.
+
+        ``hook_data``: with a ``draft_hook``, this request's row of hook data (e.g. the
+        oracle's reference sequence), truncated or zero-padded to ``hook_width``."""
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self._encode(prompt)
@@ -390,8 +468,21 @@ class Engine:
             raise InputError(f"request id {rid!r} is already in use")
         # Length is checked below: the engine can truncate instead of refusing.
         check_prompt(repr(rid), ids, None, self.target.config.vocab_size)
+        if not params.greedy and not self.config.sampled_steps:
+            raise InputError(
+                f"temperature={params.temperature}: this engine compiled greedy steps only (EngineConfig.sampled_steps=False)"
+            )
         truncated = False
         limit = self.config.max_seq_len
+        longest = self.config.prompt_buckets[-1]
+        if len(ids) > longest and len(ids) < limit:
+            if self.config.long_prompt == "error":
+                raise InputError(
+                    f"request {rid!r}: the prompt has {len(ids)} tokens; the largest prompt bucket is {longest} "
+                    f"(EngineConfig.prompt_buckets; set long_prompt='truncate' to keep the last tokens)"
+                )
+            log.warning("request %r: prompt of %d tokens truncated to its last %d (largest prompt bucket)", rid, len(ids), longest)
+            ids, truncated = ids[-longest:], True
         if len(ids) >= limit:
             if self.config.long_prompt == "error":
                 raise InputError(
@@ -399,12 +490,20 @@ class Engine:
                     f"new token (set long_prompt='truncate' to keep the last tokens)"
                 )
             keep = max(1, limit - params.max_new_tokens) if params.max_new_tokens < limit else limit // 2
+            keep = min(keep, longest)
             log.warning("request %r: prompt of %d tokens truncated to its last %d (max_seq_len %d)", rid, len(ids), keep, limit)
             ids, truncated = ids[-keep:], True
+        if (hook_data is not None) != (self._hook_width > 0):
+            raise InputError("hook_data goes with an engine built with a draft_hook (and only then is required)")
         progress = RequestProgress(
             rid, ids, params, self.eos_ids, min(params.max_new_tokens, limit - len(ids)), self.tokenizer, on_text
         )
-        req = _Request(rid, ids, params, progress, truncated)
+        row = None
+        if hook_data is not None:
+            row = np.zeros(self._hook_width, np.int32)
+            h = np.asarray(hook_data, np.int32)[: self._hook_width]
+            row[: len(h)] = h
+        req = _Request(rid, ids, params, progress, truncated, row)
         self._requests[rid] = req
         self._queue.append(req)
         return rid
@@ -434,7 +533,7 @@ class Engine:
     # -- the host loop
 
     def step(self) -> None:
-        """One iteration: admit, pick the mode, dispatch, then handle the previous step."""
+        """One iteration: admit, pick the step, dispatch, then handle the previous step."""
         t_start = time.perf_counter()
         dispatch_before, wait_before = self.metrics.dispatch_s, self.metrics.device_wait_s
         self._free_finished_slots()
@@ -453,7 +552,7 @@ class Engine:
         m.host_s += time.perf_counter() - t_start - (m.device_wait_s - wait_before) - (m.dispatch_s - dispatch_before)
 
     def _launch(self, fn, *args, **kwargs):
-        """Call a jitted function, counting the time as dispatch, not host work."""
+        """Call a compiled graph, counting the time as dispatch, not host work."""
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -464,13 +563,20 @@ class Engine:
         while self.has_unfinished():
             self.step()
 
-    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[Completion]:
-        """Run every prompt (text, chat messages or token ids) to completion, in order."""
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                 on_text: Callable[[int, str], None] | None = None, hook_data: Sequence | None = None) -> list[Completion]:
+        """Run every prompt (text, chat messages or token ids) to completion, in order.
+        ``on_text(index, delta)`` streams each request's text (index into ``prompts``)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        if hook_data is not None and len(hook_data) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(hook_data)} hook_data rows")
+        ids = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            cb = None if on_text is None else (lambda _, d, i=i: on_text(i, d))
+            ids.append(self.add_request(p, sp, on_text=cb, hook_data=None if hook_data is None else hook_data[i]))
         self.run_until_done()
         done = {c.id: c for c in self.pop_finished()}
         return [done[i] for i in ids]
@@ -484,6 +590,8 @@ class Engine:
             self.step()
             while deltas:
                 yield deltas.popleft()
+        while deltas:  # text flushed at the request's end
+            yield deltas.popleft()
         del self._requests[rid]
 
     # -- internals
@@ -503,14 +611,22 @@ class Engine:
         want = min(live + len(self._queue), self.config.max_batch)
         if want > len(self._slots):
             self._resize(self._bucket_for(want))
-        for i in range(len(self._slots)):
-            if not self._queue:
-                break
-            if self._slots[i] is None:
-                req = self._queue.popleft()
-                if req.done:
-                    continue
-                self._prefill_into(req, i)
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        admitted: list[tuple[_Request, int]] = []
+        while self._queue and free:
+            req = self._queue.popleft()
+            if req.done:
+                continue
+            admitted.append((req, free.pop(0)))
+        # Requests admitted together share one prefill call per prompt bucket.
+        by_bucket: dict[int, list[tuple[_Request, int]]] = collections.defaultdict(list)
+        for req, row in admitted:
+            by_bucket[next(b for b in self.config.prompt_buckets if b >= len(req.prompt))].append((req, row))
+        for p_len, group in by_bucket.items():
+            while group:
+                n = self._table.prefill_batch(p_len, len(group))
+                chunk, group = group[:n], group[n:]
+                self._prefill_into(chunk, p_len)
 
     def _bucket_for(self, n: int) -> int:
         return next(b for b in self.config.batch_buckets if b >= n)
@@ -519,7 +635,7 @@ class Engine:
         """Gather the live rows into a state of ``new_b`` rows (a bucket change)."""
         live = [i for i, r in enumerate(self._slots) if r is not None]
         rows = live + [0] * (new_b - len(live))  # padding rows copy row 0; they are free slots
-        self._state = self._launch(_gather_rows, self._state, jax.device_put(np.asarray(rows[:new_b], np.int32)))
+        self._state = self._launch(self._table.gather, self._state, self._table.device_put_rows(np.asarray(rows[:new_b], np.int32)))
         self._slots = [self._slots[i] for i in live] + [None] * (new_b - len(live))
         self._samp_dirty = True
 
@@ -534,67 +650,75 @@ class Engine:
         else:
             self._shrink_wait = 0
 
-    def _prefill_into(self, req: _Request, row: int) -> None:
-        p_len = next(b for b in self.config.prompt_buckets if b >= len(req.prompt))
-        tokens = np.zeros((1, p_len), np.int32)
-        tokens[0, : len(req.prompt)] = req.prompt
-        samp = SamplingArrays.build([req.params], 1)
-        row_state, first = self._launch(
-            self._steps.prefill_new, jax.device_put(tokens), jax.device_put(np.asarray([len(req.prompt)], np.int32)), samp,
-            greedy_only=False, max_seq_len=self.config.max_seq_len,
-        )
-        self._state = self._launch(_insert_row, self._state, row_state, np.int32(row))
-        self._slots[row] = req
+    def _prefill_into(self, chunk: list[tuple[_Request, int]], p_len: int) -> None:
+        n = len(chunk)
+        tokens = np.zeros((n, p_len), np.int32)
+        lengths = np.zeros(n, np.int32)
+        for i, (req, _) in enumerate(chunk):
+            tokens[i, : len(req.prompt)] = req.prompt
+            lengths[i] = len(req.prompt)
+        hook = None
+        if self._hook_width:
+            hook = self._table.device_put_rows(np.stack([req.hook_data for req, _ in chunk]))
+        t = self._table
+        samp = t.sampling([req.params for req, _ in chunk], n)
+        rows_state, first = self._launch(t.prefill, t.device_put_rows(tokens), t.device_put_rows(lengths), samp, hook)
+        rows = t.device_put_rows(np.asarray([row for _, row in chunk], np.int32))
+        self._state = self._launch(t.insert, self._state, rows_state, rows)
+        now = time.perf_counter()
+        for req, row in chunk:
+            self._slots[row] = req
+            req.metrics.admitted = now
         self._samp_dirty = True
-        self._first_tokens.append((req, first))
+        self._first_tokens.append(([req for req, _ in chunk], first))
 
-    def _samp(self) -> SamplingArrays:
+    def _samp(self):
         if self._samp_dirty:
             params = [r.params if r is not None else SamplingParams() for r in self._slots]
-            self._samp_arrays = SamplingArrays.build(params, len(self._slots))
+            self._samp_arrays = self._table.sampling(params, len(self._slots))
             self._greedy_only = all(p.greedy for p in params)
             self._samp_dirty = False
         return self._samp_arrays
 
-    def _choose_mode(self, b: int) -> bool:
-        cfg = self.config
-        allowed = cfg.speculation_allowed(b)
-        if not allowed:
-            self._below = 0
-            on = False
-        elif self._spec_on:
-            on = True
-        else:
-            self._below += 1
-            on = self._below >= cfg.spec_hysteresis_steps or self.metrics.spec_steps + self.metrics.plain_steps == 0
-        if on != self._spec_on and self.metrics.spec_steps + self.metrics.plain_steps:
+    def _choose(self, b: int) -> SpeculativeConfig | None:
+        shape = self.policy.choose(b)
+        if shape is None and not self._table.plain:
+            raise ConfigError(f"policy {type(self.policy).__name__} chose the plain step but says runs_plain=False")
+        if shape is not None and shape not in self._table.shapes:
+            raise ConfigError(
+                f"policy {type(self.policy).__name__} chose {shape.shape!r}, which it did not list in its shapes "
+                f"(compiled: {[s.shape for s in self._table.shapes]})"
+            )
+        if self._steps_run and shape != self._last_shape:
             self.metrics.mode_switches += 1
-        self._spec_on = on
-        return on
+        self._last_shape = shape
+        self._steps_run += 1
+        return shape
 
     def _dispatch(self) -> dict:
         b = len(self._slots)
         samp = self._samp()
-        spec = self._choose_mode(b)
-        kw = dict(greedy_only=self._greedy_only, max_seq_len=self.config.max_seq_len)
-        if spec and self.config.time_phases:
-            out = self._timed_speculative(samp, kw)
+        shape = self._choose(b)
+        if shape is not None and self.config.time_phases:
+            out = self._timed_speculative(samp, shape)
         else:
-            out = self._launch(self._steps.speculative if spec else self._steps.plain, self._state, samp, **kw)
-        if spec:
-            self.metrics.spec_steps += 1
+            out = self._launch(self._table.step, self._state, samp, shape, self._greedy_only)
+        m = self.metrics
+        if shape is not None:
+            m.spec_steps += 1
         else:
-            self.metrics.plain_steps += 1
+            m.plain_steps += 1
+        m.steps_by_bucket[(b, _shape_name(shape))] += 1
         self._state, tokens, acc, finite = out
         self._step_no += 1
         firsts, self._first_tokens = self._first_tokens, []
         # The rows' owners at dispatch time: slots may change before the tokens are read.
         return {
             "reqs": list(self._slots), "tokens": tokens, "acc": acc, "finite": finite,
-            "spec": spec, "step": self._step_no, "first": firsts,
+            "shape": shape, "bucket": b, "step": self._step_no, "first": firsts,
         }
 
-    def _timed_speculative(self, samp: SamplingArrays, kw: dict):
+    def _timed_speculative(self, samp, shape: SpeculativeConfig):
         """The speculative step as its draft and verify phases, each waited for and timed."""
         m = self.metrics
         t = time.perf_counter()
@@ -602,11 +726,11 @@ class Engine:
         t0 = time.perf_counter()
         m.device_wait_s += t0 - t
         launched = m.dispatch_s
-        state, tree = self._launch(self._steps.draft_phase, self._state, samp)
+        state, tree = self._launch(self._table.draft_phase, self._state, samp, shape)
         self._state = None  # its draft cache was donated
         jax.block_until_ready((state, tree))
         t1 = time.perf_counter()
-        out = self._launch(self._steps.verify_phase, state, tree, samp, **kw)
+        out = self._launch(self._table.verify_phase, state, tree, samp, shape, self._greedy_only)
         jax.block_until_ready(out)
         t2 = time.perf_counter()
         m.draft_s += t1 - t0
@@ -620,31 +744,35 @@ class Engine:
         if pending is None:
             return 0.0
         t0 = time.perf_counter()
-        firsts = [(r, int(np.asarray(f)[0])) for r, f in pending["first"]]
+        firsts = [(reqs, np.asarray(f)) for reqs, f in pending["first"]]
         tokens, acc = np.asarray(pending["tokens"]), np.asarray(pending["acc"])
         finite = None if pending["finite"] is None else np.asarray(pending["finite"])
         wait = time.perf_counter() - t0
         now = time.perf_counter()
-        for req, tok in firsts:
-            if not req.done:
-                req.metrics.first_token = now
-                req.progress.push(tok)
-                self.metrics.tokens += 1
-                if req.done:
-                    req.metrics.finished = now
         m = self.metrics
+        for reqs, first in firsts:
+            for req, tok in zip(reqs, first):
+                if not req.done:
+                    req.metrics.first_token = req.metrics.last_token = now
+                    req.progress.push(int(tok))
+                    m.tokens += 1
+                    if req.done:
+                        req.metrics.finished = now
+        spec = pending["shape"] is not None
+        live_acc = []
         for row, req in enumerate(pending["reqs"]):
             if req is None:
                 continue
             if finite is not None and not finite[row] and not req.done:
                 raise NonFiniteError(
                     f"step {pending['step']} produced non-finite logits for request {req.id!r} (row {row}, "
-                    f"{'speculative' if pending['spec'] else 'plain'} step)"
+                    f"{_shape_name(pending['shape'])} step)"
                 )
             if req.done:
                 continue
             n = int(acc[row])
-            if pending["spec"]:
+            live_acc.append(n)
+            if spec:
                 req.metrics.spec_steps += 1
                 req.metrics.accept_lengths.append(n)
                 m.accept_histogram[n] += 1
@@ -655,21 +783,39 @@ class Engine:
             for tok in tokens[row, :n]:
                 req.progress.push(int(tok))
                 m.tokens += 1
+                req.metrics.last_token = now
                 if req.done:
                     req.metrics.finished = now
                     break
+        self.policy.observe(pending["bucket"], pending["shape"], np.asarray(live_acc, np.int64), None)
         return wait
 
     def __repr__(self) -> str:
         return f"Engine({self._describe})"
 
 
-def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> dict:
+def default_policy(config: EngineConfig) -> SpeculationPolicy:
+    """The policy an ``EngineConfig`` implies: the threshold cutoff, or plain."""
+    if config.speculative is None:
+        return PlainPolicy()
+    return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)
+
+
+def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, hook_width, progress: bool) -> dict:
     """Load, check, compile; returns the engine's attributes (or raises)."""
     if not isinstance(config, EngineConfig):
         raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
     if config.speculative is not None and draft is None:
         raise ConfigError("config.speculative is set but no draft was given (pass draft=, or speculative=None)")
+    if policy is None:
+        policy = default_policy(config)
+    if not isinstance(policy, SpeculationPolicy):
+        raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
+    shapes = policy_shapes(policy)
+    if shapes and draft is None:
+        raise ConfigError(f"policy {type(policy).__name__} speculates ({[s.shape for s in shapes]}) but no draft was given")
+    if (draft_hook is None) != (hook_width == 0):
+        raise ConfigError("draft_hook and hook_width go together")
     target_path = target
     target, draft = _load(target, draft, config.dtype)
     if draft is not None:
@@ -678,102 +824,51 @@ def _build(target, draft, config: EngineConfig, tokenizer, progress: bool) -> di
     if config.max_seq_len > limit:
         raise ConfigError(f"max_seq_len={config.max_seq_len} exceeds the target's max_position_embeddings={limit}")
     tokenizer = _tokenizer_for(target_path, tokenizer)
-    spec_sizing = config.speculative or SpeculativeConfig(num_steps=1)
-    parts = dict(
-        config=config, target=target, draft=draft, tokenizer=tokenizer,
-        eos_ids=tuple(tokenizer.eos_token_ids) if tokenizer is not None else target.config.eos_token_ids,
-        _steps=SpecSteps(target, draft, config.speculative, kernel_impl=config.kernel_impl, check_finite=config.detect_nan),
-        _spec_sizing=spec_sizing,
+    # A draft without speculation still runs: the plain step keeps it in sync (a policy
+    # may switch speculation on); with no shapes and no policy need for it, drop it.
+    table = StepTable(
+        target, draft if shapes else None, shapes=shapes, batch_buckets=config.batch_buckets,
+        prompt_buckets=config.prompt_buckets, max_seq_len=config.max_seq_len,
+        prefill_token_budget=config.prefill_token_budget, kernel_impl=config.kernel_impl,
+        check_finite=config.detect_nan, time_phases=config.time_phases, tree_hook=draft_hook, hook_width=hook_width,
+        plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align,
     )
-    t0 = time.perf_counter()
-    n_graphs = _compile_all(parts, progress)
-    elapsed = time.perf_counter() - t0
+    report = table.build(progress)
     b0 = config.batch_buckets[0]
     metrics = EngineMetrics(compiles_at_ready=compile_count(), phase_timing=config.time_phases)
-    if config.speculative is not None:
-        metrics.accepted_at_depth = np.zeros(config.speculative.num_steps, np.int64)
+    if shapes:
+        metrics.accepted_at_depth = np.zeros(max(s.num_steps for s in shapes), np.int64)
     spec = config.speculative
-    spec_desc = (
-        "off" if spec is None else f"{spec.shape}, sampling verify {spec.sampling_verify}"
-    )
-    cutoff = (
-        "none" if config.spec_disable_batch_threshold is None or spec is None else
-        f"off above padded batch {config.spec_disable_batch_threshold}, back on after {config.spec_hysteresis_steps} steps at or below"
-    )
+    feature_note = ""
+    if draft is not None:
+        feature_note = f"; draft features {_feature_layers(target)}"
     describe = (
-        f"speculation {spec_desc}; cutoff {cutoff}; batch buckets {config.batch_buckets}; prompt buckets "
-        f"{config.prompt_buckets}; max_seq_len {config.max_seq_len}; dtype {jnp.dtype(target.dtype).name}; "
-        f"devices {[str(d) for d in jax.devices()]}; kernels {config.kernel_impl}; NaN check {'on' if config.detect_nan else 'off'}"
+        f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
+        f"speculation {policy.describe()}"
+        + (f", sampling verify {spec.sampling_verify}" if spec is not None and shapes else "")
+        + f"; batch buckets {config.batch_buckets}; prompt buckets {config.prompt_buckets} "
+        f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
+        f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "
+        f"devices {[str(d) for d in jax.devices()]}; kernels {config.kernel_impl}; verify attention "
+        f"{table.verify_attention_path()}; NaN check {'on' if config.detect_nan else 'off'}"
+        + feature_note
         + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
            if config.time_phases else "")
+        + ("; draft hook " + type(draft_hook).__name__ if draft_hook is not None else "")
     )
-    log.info("eagle-jax engine ready: %s; %d graphs compiled in %.1f s", describe, n_graphs, elapsed)
-    parts.update(
+    log.info("eagle-jax engine ready: %s; %d graphs compiled in %.1f s", describe, report.graphs, report.seconds)
+    return dict(
+        config=config, target=target, draft=draft, tokenizer=tokenizer, policy=policy,
+        eos_ids=tuple(tokenizer.eos_token_ids) if tokenizer is not None else target.config.eos_token_ids,
+        _table=table, _hook_width=hook_width,
         _describe=describe, _requests={}, _queue=collections.deque(), _ids=itertools.count(),
-        _slots=[None] * b0, _state=new_state(target, draft, spec_sizing, b0, config.max_seq_len),
+        _slots=[None] * b0, _state=table.zeros(b0),
         _pending=None, _first_tokens=[], _samp_dirty=True, _samp_arrays=None, _greedy_only=True,
-        _spec_on=False, _below=0, _shrink_wait=0, _step_no=0, metrics=metrics,
+        _last_shape=None, _steps_run=0, _shrink_wait=0, _step_no=0, metrics=metrics,
     )
-    return parts
 
 
-def _compile_all(parts: dict, progress: bool) -> int:
-    """Run every graph once on dummy input: prefill per prompt bucket, insert and both
-    step modes (greedy-only and sampled) per batch bucket, resize between buckets. With
-    ``time_phases`` the speculative step is compiled as its two phase graphs instead."""
-    cfg: EngineConfig = parts["config"]
-    target, draft = parts["target"], parts["draft"]
-    steps: SpecSteps = parts["_steps"]
-    sizing = parts["_spec_sizing"]
-    jobs: list[tuple[str, Callable[[], Any]]] = []
+def _feature_layers(target) -> str:
+    from eagle_jax.checkpoint.draft_io import describe_feature_layers
 
-    def fresh(b):
-        return new_state(target, draft, sizing, b, cfg.max_seq_len)
-
-    samp1 = SamplingArrays.build([], 1)
-    for p in cfg.prompt_buckets:
-        jobs.append((f"prefill prompt {p}", lambda p=p: steps.prefill_new(
-            jax.device_put(np.zeros((1, p), np.int32)), jax.device_put(np.ones((1,), np.int32)),
-            samp1, greedy_only=False, max_seq_len=cfg.max_seq_len)[1]))
-    modes = [False] + ([True] if cfg.speculative is not None else [])
-    for b in cfg.batch_buckets:
-        samp = SamplingArrays.build([], b)
-        jobs.append((f"insert batch {b}", lambda b=b: _insert_row(fresh(b), fresh(1), np.int32(0)).seq_lens))
-        for other in cfg.batch_buckets:
-            if other != b:
-                jobs.append((f"resize {b}->{other}", lambda b=b, o=other: _gather_rows(fresh(b), jax.device_put(np.zeros((o,), np.int32))).seq_lens))
-        for spec in modes:
-            phases = spec and cfg.time_phases
-            if phases:  # the draft phase does not depend on greedy_only
-                jobs.append((f"draft phase batch {b}", lambda b=b, samp=samp: steps.draft_phase(fresh(b), samp)[1]))
-            for greedy in (True, False):
-                kw = dict(greedy_only=greedy, max_seq_len=cfg.max_seq_len)
-                how = "greedy" if greedy else "sampled"
-                if phases:
-                    fn = lambda b=b, kw=kw, samp=samp: steps.verify_phase(*steps.draft_phase(fresh(b), samp), samp, **kw)[1]  # noqa: E731
-                    jobs.append((f"verify phase batch {b} {how}", fn))
-                    continue
-                step_fn = steps.speculative if spec else steps.plain
-                fn = lambda b=b, kw=kw, samp=samp, f=step_fn: f(fresh(b), samp, **kw)[1]  # noqa: E731
-                jobs.append((f"{'speculative' if spec else 'plain'} step batch {b} {how}", fn))
-    if progress:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            task = bar.add_task("compiling", total=len(jobs))
-            for name, job in jobs:
-                bar.update(task, description=f"compiling {name}")
-                _run_job(name, job)
-                bar.advance(task)
-    else:
-        for name, job in jobs:
-            _run_job(name, job)
-    return len(jobs)
-
-
-def _run_job(name: str, job: Callable[[], Any]) -> None:
-    try:
-        jax.block_until_ready(job())
-    except Exception as e:
-        e.add_note(f"eagle-jax: while compiling the {name} graph at engine start-up")
-        raise
+    return describe_feature_layers(tuple(target.config.feature_layer_ids), target.config.num_hidden_layers)

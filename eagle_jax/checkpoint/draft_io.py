@@ -7,19 +7,32 @@ The format is the released one (SpecForge, SGLang, vLLM): tensors ``fc.weight``,
 ``t2d`` (bool) and an optional ``embed_tokens.weight`` (absent: the target's embedding is
 used, as the same array). Tensors are read with ``safetensors`` only, never pickle.
 
-Feature-layer ids (``eagle_config.eagle_aux_hidden_state_layer_ids``). Implementations
-disagree on what id k means; this project stores and writes "the residual stream
-*entering* target layer k" (what vLLM reads and what SGLang captures internally), so the
-default ``[2, N//2, N-3]`` is written as is. On load, ``layer_id_convention`` says how to
-read the file's ids:
+Feature-layer ids (``eagle_config.eagle_aux_hidden_state_layer_ids``). In memory
+(``DraftConfig.aux_layer_ids``) id k is the residual stream *entering* target layer k
+(k = N: the last layer's output before the final norm). Runtimes read the field in two
+ways, so a file's ids mean different layers depending on who reads it:
 
-- ``"auto"`` (default): SGLang's current rule. If the first id is 1, the ids are
-  "output of layer k" as SpecForge writes them (``[1, N//2-1, N-4]``) and 1 is added to
-  each; otherwise they are taken as inputs.
-- ``"output"``: always add 1.  ``"input"``: never.
+- SGLang adds 1 to *every* explicit id ("for the ith layer, it takes the output of the
+  (i-1)th layer as aux hidden state"): file id k is the *output* of layer k, the stream
+  entering layer k+1. SpecForge writes this convention (``[1, N//2-1, N-4]``).
+- vLLM uses the ids as written: file id k is the stream entering layer k.
+- Without the field, both (and this project) use the streams entering ``[2, N//2, N-3]``.
 
-A config without ``eagle_config`` (the reference training config) gets the default
-``[2, N//2, N-3]`` of the target, so loading it needs ``target``.
+Writing (``draft_config_to_hf``): the field is omitted when the draft uses its target's
+default layers (``DraftConfig.target_num_hidden_layers`` says which target that is), the
+one case every runtime reads alike; otherwise it is written in SGLang's convention
+(entering ids minus one), which vLLM reads one layer shallower. The embedding stream
+(entering layer 0) has no SGLang id and cannot be written. File id N-1 (the last layer's
+output) is legal, but SGLang's Llama loop only captures inputs of layers 0..N-1.
+
+Reading: ``layer_id_convention`` says how to read explicit ids:
+
+- ``"auto"`` (default) and its synonym ``"output"``: SGLang's rule, 1 is added to every
+  id; with a target, file ids must lie in ``[0, N-1]``.
+- ``"input"``: the ids as written, for files written for vLLM; ids in ``[0, N]``.
+
+A config without the field (the reference training config, or a draft on its target's
+default layers) gets the target's default, so loading it needs ``target``.
 """
 
 from __future__ import annotations
@@ -54,18 +67,114 @@ D2T, T2D, EMBED = "d2t", "t2d", "embed_tokens.weight"
 # ----------------------------------------------------------------------------- config
 
 
-def to_input_layer_ids(ids: list[int] | tuple[int, ...], convention: str) -> tuple[int, ...]:
-    """Translate a file's aux-layer ids to this project's "input of layer k" convention."""
+def to_input_layer_ids(
+    ids: list[int] | tuple[int, ...],
+    convention: str,
+    *,
+    num_layers: int | None = None,
+    source: str = "draft config.json",
+) -> tuple[int, ...]:
+    """Translate a file's aux-layer ids to this project's "entering layer k" ids.
+
+    Args:
+      ids: ``eagle_config.eagle_aux_hidden_state_layer_ids`` as read from the file.
+      convention: "auto"/"output" (SGLang: id k is the output of layer k, so +1) or
+        "input" (vLLM: as written).
+      num_layers: the target's N; when given, ids outside the convention's range raise.
+      source: the file named in errors.
+
+    Returns:
+      the entering-layer ids, one per file id.
+    """
     if convention not in LAYER_ID_CONVENTIONS:
         raise ConfigError(
             f"layer_id_convention={convention!r} is not supported; valid: {', '.join(LAYER_ID_CONVENTIONS)}"
         )
-    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise ConfigError(
-            f"eagle_aux_hidden_state_layer_ids={ids!r} must be a non-empty list of layer ids >= 0"
-        )
-    shift = convention == "output" or (convention == "auto" and ids[0] == 1)
+    field = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    # bool is an int subclass: `true` in the JSON must not read as layer 1.
+    if (
+        not isinstance(ids, (list, tuple))
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise ConfigError(f"{source}: {field}={ids!r} must be a non-empty list of layer ids >= 0")
+    shift = convention != "input"
+    if num_layers is not None:
+        top = num_layers - 1 if shift else num_layers
+        bad = [i for i in ids if i > top]
+        if bad:
+            meaning = (
+                "read with SGLang's rule as 'output of target layer k' (layer_id_convention="
+                f"{convention!r}; pass 'input' for a file written for vLLM)"
+                if shift
+                else "read as 'entering target layer k' (layer_id_convention='input')"
+            )
+            raise ConfigError(
+                f"{source}: {field}={list(ids)} has {bad[0]}, outside the valid range [0, {top}] "
+                f"for a target with num_hidden_layers={num_layers}; ids are {meaning}"
+            )
     return tuple(i + 1 if shift else i for i in ids)
+
+
+def to_file_layer_ids(cfg: DraftConfig) -> list[int] | None:
+    """The ``eagle_aux_hidden_state_layer_ids`` to write for ``cfg``; None: omit the field.
+
+    None when the draft uses its target's default layers (every runtime then captures the
+    same streams); otherwise SGLang's "output of layer k" ids, entering ids minus one.
+    """
+    ids = cfg.aux_layer_ids
+    n = cfg.target_num_hidden_layers
+    if n is not None and ids == _default_ids(n):
+        return None
+    if 0 in ids:
+        raise ConfigError(
+            f"draft aux_layer_ids={ids} include 0, the stream entering layer 0 (the embeddings): "
+            "SGLang's convention ('output of layer k') has no id for it, so it cannot be written"
+        )
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        # SGLang and vLLM test "is layer i listed" while walking the layers, so they hand
+        # the draft each listed stream once, in layer order; this project concatenates in
+        # the listed order. Only increasing ids mean the same features to both.
+        raise ConfigError(
+            f"draft aux_layer_ids={ids} are not strictly increasing: SGLang and vLLM would feed "
+            "the draft these streams in layer order, once each, so they cannot be written"
+        )
+    return [i - 1 for i in ids]
+
+
+def _default_ids(num_layers: int) -> tuple[int, ...]:
+    """``ModelConfig.feature_layer_ids``'s default rule for N layers (N >= 3: ``[2, N//2, N-3]``)."""
+    n = num_layers
+    return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+
+def describe_feature_layers(entering_ids: list[int] | tuple[int, ...], num_layers: int) -> str:
+    """Say which target streams feed a draft, for logs and ``doctor``.
+
+    Args:
+      entering_ids: the draft's feature layers in this project's convention
+        (``DraftConfig.aux_layer_ids``: id k is the stream entering target layer k).
+      num_layers: the target's N.
+
+    Returns:
+      e.g. "entering target layers 2, 15, 27 (default [2, N//2, N-3], N=30)".
+    """
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+        raise ConfigError(f"num_layers={num_layers!r} must be a positive integer")
+    ids = tuple(entering_ids)
+    bad = [i for i in ids if not (isinstance(i, int) and 0 <= i <= num_layers)]
+    if not ids or bad:
+        raise ConfigError(f"feature layers {list(ids)} must be non-empty ids in [0, {num_layers}]")
+    text = "entering target layers " + ", ".join(map(str, ids))
+    default = _default_ids(num_layers)
+    if ids == default:
+        rule = "[2, N//2, N-3]" if num_layers >= 3 else "rule"
+        text += f" (default {rule}, N={num_layers})"
+    else:
+        text += f" (not the default {', '.join(map(str, default))} for N={num_layers})"
+    if num_layers in ids:
+        text += f"; {num_layers} is the last layer's output before the final norm"
+    return text
 
 
 def default_aux_layer_ids(target_cfg: ModelConfig) -> tuple[int, ...]:
@@ -79,8 +188,14 @@ def draft_config_from_hf(
     target_cfg: ModelConfig | None = None,
     layer_id_convention: str = "auto",
     has_embed_tokens: bool = False,
+    source: str = "draft config.json",
 ) -> DraftConfig:
-    """A DraftConfig from a draft's config.json (see the module docstring for layer ids)."""
+    """A DraftConfig from a draft's config.json (see the module docstring for layer ids).
+
+    ``target_cfg`` supplies the default feature layers when the file has none, bounds the
+    file's ids and is recorded as ``target_num_hidden_layers``; ``source`` names the file
+    in errors.
+    """
     arch = (d.get("architectures") or [ARCHITECTURES[0]])[0]
     if arch not in ARCHITECTURES:
         raise ConfigError(f"draft architecture {arch!r} is not supported; valid: {', '.join(ARCHITECTURES)}")
@@ -99,35 +214,39 @@ def draft_config_from_hf(
         vocab_size=base.vocab_size,
         draft_vocab_size=int(d.get("draft_vocab_size") or base.vocab_size),
         target_hidden_size=int(d.get("target_hidden_size") or base.hidden_size),
-        aux_layer_ids=_aux_layer_ids(d, target_cfg, layer_id_convention),
+        aux_layer_ids=_aux_layer_ids(d, target_cfg, layer_id_convention, source),
         rms_norm_eps=base.rms_norm_eps,
         rope_theta=base.rope_theta,
         rope_scaling=base.rope_scaling,
         max_position_embeddings=base.max_position_embeddings,
         has_embed_tokens=has_embed_tokens,
         norm_before_residual=bool(d.get("norm_before_residual", False)),
+        target_num_hidden_layers=target_cfg.num_hidden_layers if target_cfg is not None else None,
     )
 
 
-def _aux_layer_ids(d: dict[str, Any], target_cfg: ModelConfig | None, convention: str) -> tuple[int, ...]:
+def _aux_layer_ids(
+    d: dict[str, Any], target_cfg: ModelConfig | None, convention: str, source: str
+) -> tuple[int, ...]:
     eagle = d.get("eagle_config") or {}
     if not isinstance(eagle, dict):
-        raise ConfigError(f"draft eagle_config={eagle!r} must be an object")
+        raise ConfigError(f"{source}: eagle_config={eagle!r} must be an object")
     if eagle.get("use_aux_hidden_state") is False:
-        raise ConfigError("draft eagle_config.use_aux_hidden_state=false: not an EAGLE-3 draft; valid: true")
+        raise ConfigError(f"{source}: eagle_config.use_aux_hidden_state=false: not an EAGLE-3 draft; valid: true")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
-        return to_input_layer_ids(ids, convention)
+        n = target_cfg.num_hidden_layers if target_cfg is not None else None
+        return to_input_layer_ids(ids, convention, num_layers=n, source=source)
     if target_cfg is None:
         raise ConfigError(
-            "draft config.json has no eagle_config.eagle_aux_hidden_state_layer_ids; pass target= "
-            "so the default feature layers [2, N//2, N-3] of the target can be used"
+            f"{source} has no eagle_config.eagle_aux_hidden_state_layer_ids (the draft uses its "
+            "target's default feature layers [2, N//2, N-3]); pass the target so N is known"
         )
     return default_aux_layer_ids(target_cfg)
 
 
 def draft_config_to_hf(cfg: DraftConfig, dtype: jnp.dtype) -> dict[str, Any]:
-    """The released config.json of a draft (aux ids written in the "input" convention)."""
+    """The released config.json of a draft (aux ids per ``to_file_layer_ids``)."""
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[0]],
         "model_type": "llama",
@@ -146,11 +265,11 @@ def draft_config_to_hf(cfg: DraftConfig, dtype: jnp.dtype) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "torch_dtype": jnp.dtype(dtype).name,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "use_aux_hidden_state": True,
-        },
+        "eagle_config": {"use_aux_hidden_state": True},
     }
+    file_ids = to_file_layer_ids(cfg)
+    if file_ids is not None:
+        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": file_ids, **d["eagle_config"]}
     if cfg.rope_scaling.rope_type != "default":
         d["rope_scaling"] = dataclasses.asdict(cfg.rope_scaling)
     if cfg.norm_before_residual:  # vLLM's field; absent means False everywhere
@@ -179,7 +298,11 @@ def read_draft_config(
     d = _read_config_json(path)
     has_embed = EMBED in _tensor_files(path)
     return draft_config_from_hf(
-        d, target_cfg=target_cfg, layer_id_convention=layer_id_convention, has_embed_tokens=has_embed
+        d,
+        target_cfg=target_cfg,
+        layer_id_convention=layer_id_convention,
+        has_embed_tokens=has_embed,
+        source=str(path / "config.json"),
     )
 
 
@@ -267,7 +390,8 @@ def load_draft(
         when the draft has none. Required when the draft has no embedding or its config
         has no aux-layer ids.
       dtype: parameter dtype; default float32 on CPU, bfloat16 on GPU.
-      layer_id_convention: how to read the file's aux-layer ids ("auto", "input", "output").
+      layer_id_convention: how to read the file's aux-layer ids: "auto"/"output" (SGLang's
+        rule, +1 to every id) or "input" (as written, for files written for vLLM).
     """
     path = Path(path)
     d = _read_config_json(path)
@@ -277,6 +401,7 @@ def load_draft(
         target_cfg=target.config if target is not None else None,
         layer_id_convention=layer_id_convention,
         has_embed_tokens=EMBED in files,
+        source=str(path / "config.json"),
     )
     if target is not None:
         check_compatible(cfg, target.config)
@@ -304,9 +429,14 @@ def load_draft(
     flat[("d2t",)].set_value(jnp.asarray(d2t.astype(np.int32)))
     flat[("t2d",)].set_value(jnp.asarray(t2d))
     draft = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    layers = (
+        describe_feature_layers(cfg.aux_layer_ids, target.config.num_hidden_layers)
+        if target is not None
+        else f"entering target layers {', '.join(map(str, cfg.aux_layer_ids))}"
+    )
     log.info(
-        "loaded draft %s (H=%d, Vd=%d, aux layers %s, dtype %s)",
-        path, cfg.hidden_size, cfg.draft_vocab_size, cfg.aux_layer_ids, jnp.dtype(dtype).name,
+        "loaded draft %s (H=%d, Vd=%d, features %s, dtype %s)",
+        path, cfg.hidden_size, cfg.draft_vocab_size, layers, jnp.dtype(dtype).name,
     )
     return draft
 
@@ -314,15 +444,19 @@ def load_draft(
 def save_draft(draft: Eagle3Draft, path: str | Path, *, dtype: str | None = None) -> None:
     """Write ``draft`` as config.json + model.safetensors in the released layout.
 
-    ``embed_tokens.weight`` is written only when ``draft.config.has_embed_tokens``.
+    ``embed_tokens.weight`` is written only when ``draft.config.has_embed_tokens``. The
+    feature-layer ids are omitted on the target's default layers and otherwise written in
+    SGLang's convention (``to_file_layer_ids``).
     ``dtype`` ("float32", "float16" or "bfloat16"; None: as held) converts the float
     tensors; a value outside float16's range raises rather than becoming inf.
     """
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise ConfigError(f"save dtype={dtype!r}; valid: None, float32, float16, bfloat16")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = draft.config
+    # Built first: a draft whose layers cannot be written must not leave tensors behind.
+    config = draft_config_to_hf(cfg, jnp.dtype(dtype) if dtype is not None else draft.fc.kernel[...].dtype)
+    path.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(draft)))
     tensors: dict[str, np.ndarray] = {}
     for p, (name, transpose) in draft_name_map(cfg).items():
@@ -336,7 +470,6 @@ def save_draft(draft: Eagle3Draft, path: str | Path, *, dtype: str | None = None
     tensors[T2D] = np.asarray(draft.t2d[...]).astype(bool)
     # "format": "pt" is what transformers and SGLang expect in a PyTorch-layout file.
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = draft_config_to_hf(cfg, jnp.dtype(dtype) if dtype is not None else draft.fc.kernel[...].dtype)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

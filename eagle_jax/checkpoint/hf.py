@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory (config.json + safetensors) into ``LlamaModel``.
+"""Load a Hugging Face model directory (config.json + safetensors) into the target
+implementation its ``architectures`` names (``eagle_jax.target`` registry).
 
 Weights are read with ``safetensors`` only (never pickle). Each NNX parameter has one
 Hugging Face tensor name and a flag saying whether the PyTorch ``[out, in]`` layout must
@@ -18,14 +19,13 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from eagle_jax.config import ModelConfig
+from eagle_jax.config import ModelConfig, read_config_json
 from eagle_jax.errors import CheckpointError
-from eagle_jax.model import LlamaModel
+from eagle_jax.model import NameMap, param_name_map  # noqa: F401  (re-exported: doctor and tests use them from here)
+from eagle_jax.target import TargetModel, family_for
 
 log = logging.getLogger(__name__)
 
-# NNX path -> (Hugging Face name, transpose?). Built per config by ``param_name_map``.
-NameMap = dict[tuple, tuple[str, bool]]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -43,31 +43,6 @@ def resolve_dtype(dtype: str | jnp.dtype | None) -> jnp.dtype:
             raise CheckpointError(f"dtype={dtype!r} is not supported; valid: {', '.join(_DTYPES)}")
         return _DTYPES[dtype]
     return dtype
-
-
-def param_name_map(cfg: ModelConfig) -> NameMap:
-    names: NameMap = {("embed_tokens",): ("model.embed_tokens.weight", False)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        lp = ("layers", i)
-        names[lp + ("input_layernorm", "weight")] = (p + "input_layernorm.weight", False)
-        names[lp + ("post_attention_layernorm", "weight")] = (p + "post_attention_layernorm.weight", False)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names[lp + ("self_attn", proj, "kernel")] = (p + f"self_attn.{proj}.weight", True)
-        if cfg.attention_bias:
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                names[lp + ("self_attn", proj, "bias")] = (p + f"self_attn.{proj}.bias", False)
-        if cfg.qk_norm:
-            names[lp + ("self_attn", "q_norm", "weight")] = (p + "self_attn.q_norm.weight", False)
-            names[lp + ("self_attn", "k_norm", "weight")] = (p + "self_attn.k_norm.weight", False)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[lp + ("mlp", proj, "kernel")] = (p + f"mlp.{proj}.weight", True)
-    names[("norm", "weight")] = ("model.norm.weight", False)
-    # A tied head is filled from the embedding; an untied one has its own tensor.
-    names[("lm_head",)] = (
-        ("model.embed_tokens.weight", True) if cfg.tie_word_embeddings else ("lm_head.weight", True)
-    )
-    return names
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
@@ -128,8 +103,12 @@ def read_tensors(files: dict[str, Path], wanted: dict[str, tuple[int, ...]]) -> 
 
 def load_model(
     path: str | Path, *, dtype: str | jnp.dtype | None = None, config: ModelConfig | None = None
-) -> LlamaModel:
-    """Load a Llama-family model from a Hugging Face directory.
+) -> TargetModel:
+    """Load a target model from a Hugging Face directory.
+
+    The implementation comes from config.json's ``architectures`` through the target
+    registry; an unknown architecture or an unsupported field is a ``ConfigError`` that
+    names config.json and the field.
 
     Args:
       path: directory with config.json and model.safetensors (or a sharded index).
@@ -137,11 +116,13 @@ def load_model(
       config: override the config read from the directory (e.g. other feature layers).
     """
     path = Path(path)
-    cfg = config or ModelConfig.from_dir(path)
+    raw = read_config_json(path, "checkpoint")
+    family = family_for(raw, str(path / "config.json"))
+    cfg = config or family.config_from_hf(raw)
     dtype = resolve_dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype))
+    abstract = nnx.eval_shape(lambda: family.module(cfg, dtype=dtype))
     graphdef, state = nnx.split(abstract)
-    names = param_name_map(cfg)
+    names = family.param_names(cfg)
     flat = dict(nnx.to_flat_state(state))
     unmapped = [p for p in flat if p not in names]
     if unmapped:  # a programming error, not a user one: the map must cover the model

@@ -595,15 +595,61 @@ def test_refuses_non_empty_output_dir_unless_overwrite(llama_case, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directories left
 
 
-def test_failed_overwrite_keeps_old_dir(llama_case, tmp_path):
+def _precious_dir(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"not a gguf")
-    with pytest.raises(CheckpointError):
-        import_gguf(junk, out, overwrite=True)
-    assert (out / "keep.txt").read_text() == "precious"
+    return out
+
+
+def test_overwrite_failing_while_writing_keeps_old_dir(llama_case, tmp_path, monkeypatch):
+    """The GGUF converts, then writing the new files fails (a full disk, say) after some
+    were written: the old directory is untouched and the partial one is removed."""
+    from eagle_jax.checkpoint import gguf_import
+
+    out = _precious_dir(tmp_path)
+    written = []
+
+    def disk_full(path, tensors):
+        written.append(path)
+        path.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_import, "_write_safetensors", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        import_gguf(llama_case.gguf_path, out, overwrite=True)
+    assert len(written) == 1 and written[0].parent != out  # it got as far as writing, elsewhere
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directory left
+
+
+def test_overwrite_failing_at_the_swap_restores_old_dir(llama_case, tmp_path, monkeypatch):
+    """The new directory is complete and the old one already moved aside when the final
+    rename fails: the old directory is moved back (the restore branch), nothing is left over."""
+    from eagle_jax.checkpoint import gguf_import
+
+    out = _precious_dir(tmp_path)
+    real_replace = gguf_import.os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append((Path(src), Path(dst)))
+        if Path(dst) == out and Path(src).name.startswith(".out.tmp-"):
+            # The old directory must already be out of the way when the new one moves in.
+            assert not out.exists()
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(gguf_import.os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        import_gguf(llama_case.gguf_path, out, overwrite=True)
+    # Old moved aside, new refused, old moved back.
+    assert [(src.name.startswith(".out.tmp-"), dst.name) for src, dst in calls] == [
+        (False, "dir"), (True, "out"), (False, "out"),
+    ]
+    assert calls[0][0] == out and calls[2] == (calls[0][1], out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # old-/tmp- directories removed
 
 
 def test_empty_existing_dir_is_filled(llama_case, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from eagle_jax import doctor
-from eagle_jax.checkpoint.draft_io import random_draft, save_draft
+from eagle_jax.checkpoint.draft_io import describe_feature_layers, random_draft, save_draft
 from eagle_jax.config import ModelConfig
 from hf_factories import make_hf_model
 
@@ -116,18 +116,81 @@ def test_install_is_editable_from_this_checkout(report):
     assert report["warnings"] == []
 
 
-def test_versions_match_metadata(report):
-    for dist, info in report["packages"].items():
-        try:
-            version = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        assert info["version"] == version, dist
-    assert report["packages"]["jax"]["location"].startswith(sys.prefix)
+def _fake_distribution(site: Path, dist: str, version: str, module_files: list[str]) -> None:
+    """An installed distribution as pip lays it out: a dist-info with METADATA, and its files."""
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    for rel in module_files:
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+
+
+def test_package_info_reads_metadata_and_module_path(tmp_path, monkeypatch):
+    """Versions come from the distribution's metadata (not the module), locations from the
+    import system: a package by its directory, a single-file module by its file."""
+    site = tmp_path / "site"
+    _fake_distribution(site, "eagle-fake-pkg", "3.1.4", ["eagle_fake_pkg/__init__.py", "eagle_fake_pkg/sub.py"])
+    _fake_distribution(site, "eagle-fake-single", "0.0.7", ["eagle_fake_single.py"])
+    # A module without metadata (vendored copy) and metadata without its module.
+    (site / "eagle_fake_bare.py").write_text("")
+    _fake_distribution(site, "eagle-fake-ghost", "9.9", [])
+    monkeypatch.syspath_prepend(str(site))
+    assert doctor.package_info("eagle-fake-pkg", "eagle_fake_pkg") == {
+        "version": "3.1.4", "location": str(site / "eagle_fake_pkg"),
+    }
+    assert doctor.package_info("eagle-fake-pkg", "eagle_fake_pkg.sub") == {
+        "version": "3.1.4", "location": str(site / "eagle_fake_pkg" / "sub.py"),
+    }
+    assert doctor.package_info("eagle-fake-single", "eagle_fake_single") == {
+        "version": "0.0.7", "location": str(site / "eagle_fake_single.py"),
+    }
+    assert doctor.package_info("eagle-fake-bare", "eagle_fake_bare") == {
+        "version": None, "location": str(site / "eagle_fake_bare.py"),
+    }
+    assert doctor.package_info("eagle-fake-ghost", "eagle_fake_ghost") == {"version": "9.9", "location": None}
+    # A submodule of a package that is not there: not found, not an exception.
+    assert doctor.package_info("eagle-fake-none", "eagle_fake_none.child") == {"version": None, "location": None}
+
+
+def test_report_lists_the_dependencies_that_are_imported(report):
+    """The report's numbers for real dependencies agree with the modules themselves."""
+    import jax
+    import numpy
+
+    for dist, module in (("jax", jax), ("numpy", numpy)):
+        assert report["packages"][dist] == {"version": module.__version__, "location": str(Path(module.__file__).parent)}
+    assert set(report["packages"]) == {d for d, _ in doctor.REQUIRED_PACKAGES + doctor.OPTIONAL_PACKAGES}
+
+
+def test_python_section_names_the_interpreter_that_ran(model_dir, tmp_path):
+    """Run the doctor from a virtual environment made here (a pyvenv.cfg beside a link to
+    the base interpreter; the packages come in through PYTHONPATH), with VIRTUAL_ENV set to
+    a marker: the report names that launcher and that prefix, not the test's own."""
+    import sysconfig
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    base = Path(sys.executable).resolve()
+    (venv / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n")
+    launcher = venv / "bin" / "python"
+    launcher.symlink_to(base)
+    code = "import sys; from eagle_jax.doctor import main; sys.exit(main(sys.argv[1:]))"
+    pythonpath = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "VIRTUAL_ENV": "/marker/venv", "PYTHONPATH": pythonpath}
+    r = subprocess.run(
+        [str(launcher), "-c", code, "--model", str(model_dir), "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert r.returncode in (0, 1) and r.stdout.startswith("{"), r.stdout + r.stderr  # the checks are not the subject
+    py = json.loads(r.stdout)["python"]
+    assert py["executable"] == str(launcher)
+    assert py["prefix"] == str(venv) and py["base_prefix"] == sys.base_prefix
+    assert py["virtualenv"] is True and py["VIRTUAL_ENV"] == "/marker/venv"
+    assert py["version"] == ".".join(map(str, sys.version_info[:3]))
 
 
 def test_environment_and_devices(report):
-    assert report["python"]["executable"] == sys.executable
     assert set(doctor.ENV_VARS) <= set(report["env"])
     jax_report = report["jax"]
     assert jax_report["device_count"] == len(jax_report["devices"]) >= 1
@@ -144,7 +207,12 @@ def test_good_model_and_draft_pass(report, model_dir, draft_dir):
     assert model["tensors_expected"] == 4 * 9 + 2  # per layer: 2 norms, 4 attention, 3 MLP
     assert model["unexpected_tensors"] == []
     assert checks["draft"]["info"]["config"]["has_embed_tokens"] is True
+    # The draft was saved on the target's default layers, so its config.json has no ids.
+    target_cfg = ModelConfig.from_dir(model_dir)
+    features = describe_feature_layers(target_cfg.feature_layer_ids, target_cfg.num_hidden_layers)
+    assert checks["draft"]["info"]["feature_layers"] == features and "(default [2, N//2, N-3]" in features
     text = doctor.format_report(report)
+    assert f"features: {features}" in text
     assert "Result: all checks passed" in text
     assert str(model_dir) in text and str(draft_dir) in text
     assert str(REPO / "eagle_jax" / "doctor.py") in text
@@ -194,6 +262,8 @@ def test_json_output_parses(model_dir, draft_dir):
     out = json.loads(r.stdout)
     assert out["ok"] is True
     assert {c["name"] for c in out["checks"]} == {"modules", "model", "draft", "compatibility"}
+    draft = next(c for c in out["checks"] if c["name"] == "draft")
+    assert draft["info"]["feature_layers"].startswith("entering target layers 2, 2, 1 (default")
 
 
 def test_backend_that_does_not_start_fails(tmp_path):

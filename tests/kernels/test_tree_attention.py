@@ -12,7 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.testing import assert_lowers_to_mosaic_gpu, random_trees
 from pallas_kernels.tree import tree_ancestor_mask
-from pallas_kernels.tree_attention import tree_attention, tree_attention_kernel
+from pallas_kernels.tree_attention import select_tree_attention_path, tree_attention, tree_attention_kernel
 
 BF16_ATOL = 2e-2  # the kernel rounds probabilities to bf16 for P@V, and the output is bf16
 
@@ -108,13 +108,99 @@ def test_no_races_in_the_double_buffered_pipeline():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=BF16_ATOL)
 
 
-def test_auto_on_cpu_and_unsupported_dtype():
+def test_kernel_impl_rejects_unsupported_dtype():
     q, k, v = _inputs(0, 1, 4, 2, 1, 64, 64, dtype=jnp.float32)
     args = (q, k, v, jnp.array([10]), jnp.ones((1, 4, 4), bool))
-    ref = tree_attention(*args, scale=0.125, impl="reference")
-    np.testing.assert_array_equal(tree_attention(*args, scale=0.125), ref)  # auto = reference on CPU
     with pytest.raises(ValueError, match="bf16"):
         tree_attention(*args, scale=0.125, impl="kernel")
+
+
+# The path selection, as a pure function: SmolLM2-135M's verify shapes (9 query heads, 3 kv
+# heads, head dim 64) with batch 4, 8 tree tokens, bf16, on a Hopper GPU.
+SMOL_Q, BF16 = (4, 8, 9, 64), jnp.bfloat16
+
+
+def _smol_kv(s_len: int, hkv: int = 3, d: int = 64) -> tuple[int, ...]:
+    return (4, s_len, hkv, d)
+
+
+@pytest.mark.parametrize("s_len, block_k", [(64, 64), (320, 64), (2048, 64), (256, 128), (384, 128)])
+def test_auto_takes_the_kernel_on_hopper_when_shapes_fit(s_len, block_k):
+    path, reason = select_tree_attention_path(
+        "auto", "gpu", SMOL_Q, _smol_kv(s_len), BF16, block_k=block_k, compute_capability="9.0"
+    )
+    assert (path, reason) == ("kernel", "GPU and shapes the kernel supports")
+    # Unknown compute capability: a GPU is taken to be able to run it.
+    assert select_tree_attention_path("auto", "gpu", SMOL_Q, _smol_kv(s_len), BF16, block_k=block_k)[0] == "kernel"
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, dtype, kv_dtype, block_k, cc, reason",
+    [
+        # A prefix bucket plus the tree's slots (256 + 8): not a multiple of the key block.
+        (SMOL_Q, _smol_kv(264), BF16, None, 64, "9.0", "cache length 264 must be a multiple of block_k=64"),
+        (SMOL_Q, _smol_kv(320), BF16, None, 128, "9.0", "cache length 320 must be a multiple of block_k=128"),
+        (SMOL_Q, _smol_kv(320), jnp.float32, None, 64, "9.0", "dtype float32: the WGMMA kernel takes bf16/f16"),
+        (SMOL_Q, _smol_kv(320), BF16, jnp.float16, 64, "9.0", "must share a dtype"),
+        ((4, 8, 9, 80), _smol_kv(320, d=80), BF16, None, 64, "9.0", "head dim 80 must be a multiple of 64"),
+        ((4, 8, 6, 64), _smol_kv(320, hkv=4), BF16, None, 64, "9.0", "Hq=6 must be a multiple of Hkv=4"),
+        (SMOL_Q, _smol_kv(320), BF16, None, 32, "9.0", "block_k=32 must be 64 or 128"),
+        (SMOL_Q, _smol_kv(320), BF16, None, 64, "8.0", "compute capability 8.0: the kernel's WGMMA needs sm_90"),
+        (SMOL_Q, _smol_kv(320), BF16, None, 64, "10.0", "compute capability 10.0"),
+    ],
+)
+def test_auto_falls_back_on_gpu_and_says_why(q_shape, kv_shape, dtype, kv_dtype, block_k, cc, reason):
+    path, why = select_tree_attention_path(
+        "auto", "gpu", q_shape, kv_shape, dtype, kv_dtype, block_k=block_k, compute_capability=cc
+    )
+    assert path == "reference"
+    assert reason in why, why
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_auto_off_gpu_is_the_reference_even_for_kernel_shapes(backend):
+    path, why = select_tree_attention_path("auto", backend, SMOL_Q, _smol_kv(320), BF16)
+    assert path == "reference" and f"backend {backend!r}" in why
+
+
+def test_explicit_impls():
+    assert select_tree_attention_path("reference", "gpu", SMOL_Q, _smol_kv(320), BF16)[0] == "reference"
+    assert select_tree_attention_path("kernel", "gpu", SMOL_Q, _smol_kv(320), BF16)[0] == "kernel"
+    path, why = select_tree_attention_path("kernel", "cpu", SMOL_Q, _smol_kv(320), BF16)
+    assert path == "kernel" and "interpreter" in why
+    # "kernel" does not fall back: unsupported shapes are an error, whatever the backend.
+    with pytest.raises(ValueError, match="cache length 264"):
+        select_tree_attention_path("kernel", "gpu", SMOL_Q, _smol_kv(264), BF16)
+    with pytest.raises(ValueError, match="impl='fast'"):
+        select_tree_attention_path("fast", "gpu", SMOL_Q, _smol_kv(320), BF16)
+
+
+def test_tree_attention_runs_the_selected_path(monkeypatch):
+    """tree_attention asks select_tree_attention_path with its backend, shapes and dtypes,
+    and runs what it returns."""
+    from pallas_kernels import tree_attention as ta
+
+    q, k, v = _inputs(0, 1, 4, 2, 1, 64, 64)
+    args = (q, k, v, jnp.array([10], jnp.int32), jnp.ones((1, 4, 4), bool))
+    calls, forced = [], {}
+    real = ta.select_tree_attention_path
+
+    def spy(*a, **kw):
+        calls.append((a, kw))
+        return forced.get("path") or real(*a, **kw)
+
+    monkeypatch.setattr(ta, "select_tree_attention_path", spy)
+    ref = ta.tree_attention(*args, scale=0.125, impl="reference")
+    auto = ta.tree_attention(*args, scale=0.125)  # on this CPU: the reference
+    np.testing.assert_array_equal(auto, ref)
+    assert calls[-1] == (
+        ("auto", jax.default_backend(), q.shape, k.shape, q.dtype, k.dtype), {"block_k": 64, "compute_capability": ta._gpu_compute_capability()},
+    )
+    kernel_calls = []
+    monkeypatch.setattr(ta, "tree_attention_kernel", lambda *a, **kw: kernel_calls.append(kw) or "kernel-output")
+    forced["path"] = ("kernel", "forced by the test")
+    assert ta.tree_attention(*args, scale=0.125) == "kernel-output"
+    assert len(kernel_calls) == 1 and kernel_calls[0]["block_k"] == 64
 
 
 @pytest.mark.parametrize("d, block_k", [(64, 64), (128, 128)])

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle_jax.checkpoint.draft_io import load_draft
+from eagle_jax.config import ModelConfig
+from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.sampling import SamplingParams
@@ -32,7 +33,10 @@ def test_released_draft_metadata_names_this_target(smollm2_dir):
     assert training["target_config_sha256"] == sha
     cfg = json.loads((DRAFT / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    # The target's default feature layers: written without ids, so SGLang, vLLM and
+    # eagle-jax all feed the streams entering layers 2, 15 and 27 (issue 14).
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg.get("eagle_config", {})
+    assert read_draft_config(DRAFT, target_cfg=ModelConfig.from_dir(smollm2_dir)).aux_layer_ids == (2, 15, 27)
 
 
 def test_released_draft_accepts_on_held_out_prompts(smollm2_dir):

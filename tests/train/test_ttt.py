@@ -15,7 +15,8 @@ from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.generate import Buckets, Generator
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpecState, SpeculativeConfig, _draft_extend, draft_tree, new_state, speculative_generate
+from eagle_jax.generate import speculative_generate
+from eagle_jax.speculative import SpecState, SpeculativeConfig, _draft_extend, draft_tree, new_state
 from eagle_jax.train.data import Conversation, FeatureSet, extract_features, read_conversations, write_conversations
 from eagle_jax.train.ttt import (
     TrainConfig,
@@ -142,9 +143,14 @@ def test_expected_accept_length():
 
 
 def test_training_makes_a_draft_that_speculation_accepts(target, tmp_path):
-    """Train on the target's own greedy continuations; on held-out prompts the trained
-    draft's accept length is well above a random draft's, and output stays identical."""
+    """Train on the target's own greedy continuations; on held-out conversations (never
+    trained on) the trained draft agrees with the target, its accept length on held-out
+    prompts is well above a random draft's, and output stays identical."""
     convs, _ = _conversations(target, 64, seed=1)
+    held_convs, _ = _conversations(target, 16, seed=2)
+    trained_on = {tuple(c.prompt_ids) for c in convs}
+    assert not any(tuple(c.prompt_ids) in trained_on for c in held_convs)
+    held_data = extract_features(target, held_convs, max_len=64, batch_size=16)
     data = extract_features(target, convs, max_len=64, batch_size=16)
     data.save(tmp_path / "feats")
     data = FeatureSet.load(tmp_path / "feats")
@@ -154,12 +160,14 @@ def test_training_makes_a_draft_that_speculation_accepts(target, tmp_path):
     p = len(c.prompt_ids)
     assert data.target_argmax[0, p - 1:p + len(c.response_ids) - 1].tolist() == c.response_ids
     cfg = TrainConfig(draft_vocab_size=160, ttt_length=3, batch_size=16, epochs=40, learning_rate=1e-2, warmup_steps=5)
-    draft, history = train_draft(target, data, cfg, eval_data=data, log_every=4)
+    draft, history = train_draft(target, data, cfg, eval_data=held_data, log_every=4)
     evals = [h for h in history if h["event"] == "eval"]
-    # The loss is bounded below by the target's entropy; agreement with its argmax is the
-    # clear signal (a random draft agrees on about 1/160 of positions).
+    # Evaluated on the held-out conversations. The loss is bounded below by the target's
+    # entropy; agreement with its argmax is the clear signal: a random draft agrees on
+    # about 1/160 of positions, the trained one on ~0.4 at every TTT step (measured; on
+    # its own training data it reaches > 0.5).
     assert evals[-1]["loss"][0] < evals[0]["loss"][0] - 0.3
-    assert min(evals[-1]["acc"]) > 0.5
+    assert min(evals[-1]["acc"]) > 0.3, evals[-1]["acc"]
     save_draft(draft, tmp_path / "draft")
     assert (tmp_path / "draft" / "model.safetensors").stat().st_size > 0
     loaded = load_draft(tmp_path / "draft", target=target)

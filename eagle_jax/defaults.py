@@ -1,0 +1,51 @@
+"""Shared defaults for the command line, the scripts and the train commands: where the
+default model and draft live, integer parsing for flags, the compilation cache.
+
+A leaf module (standard library only at import time), so ``cli``, ``doctor`` and
+``train.commands`` can all use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_DRAFT_NAME = "smollm2-135m-instruct-eagle3"
+
+
+def default_model_dir() -> Path:
+    """$EAGLE_JAX_MODEL, else checkpoints/<default> in the working directory, else beside the package."""
+    env = os.environ.get("EAGLE_JAX_MODEL")
+    if env:
+        return Path(env)
+    here = Path.cwd() / "checkpoints" / DEFAULT_MODEL_NAME
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL_NAME
+
+
+def default_draft_dir() -> Path:
+    """The released draft for the default model ($EAGLE_JAX_DRAFT overrides)."""
+    env = os.environ.get("EAGLE_JAX_DRAFT")
+    if env:
+        return Path(env)
+    return default_model_dir().parent / DEFAULT_DRAFT_NAME
+
+
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s} must be >= 1")
+    return v
+
+
+def enable_compilation_cache() -> None:
+    """Reuse compiled graphs across runs (start-up compiles every bucket)."""
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))

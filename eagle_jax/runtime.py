@@ -1,0 +1,418 @@
+"""The step table: every compiled graph an engine runs, built once at start-up.
+
+What SGLang captures as CUDA graphs, we compile ahead of time (``jit(...).lower(...)
+.compile()``) for every static shape the host loop can ask for:
+
+- ``prefill (n, p)``: prefill ``n`` requests of prompt bucket ``p`` into a fresh
+  ``n``-row state (requests admitted together share one call);
+- ``insert (b, n)``: write those ``n`` rows into a ``b``-row state (donated);
+- ``gather (b, b')``: a bucket change, the live rows of a ``b``-row state into ``b'`` rows;
+- ``zeros b``: a zeroed ``b``-row state;
+- ``step (b, shape, greedy)``: the plain step (``shape`` None) or a speculative step of
+  that shape, for greedy-only or mixed batches; with ``time_phases`` a speculative step is
+  its ``draft`` and ``verify`` phase graphs instead.
+
+One state layout serves every step of a batch bucket: it is sized for the largest
+speculative shape (``speculative.state_spec``), so the policy can switch shapes between
+steps without moving data. The state is donated to every step.
+
+Shardings come from the logical axes of the abstract state (``ArraySpec``) through the
+mesh's rules (``target.DEFAULT_AXIS_RULES``); in and out shardings are pinned on every
+graph. The mesh is a single device today; the sharding work fills it in.
+
+Calling a key that was not built raises ``CompileAfterBuildError``, and a built graph is
+a ``Compiled`` executable, which refuses arguments of other shapes instead of
+recompiling: after ``build`` this table cannot compile, by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eagle_jax.draft import Eagle3Draft
+from eagle_jax.errors import ConfigError, EagleJaxError
+from eagle_jax.model import BoundModules
+from eagle_jax.sampling import SamplingArrays
+from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.speculative import (
+    SpecState,
+    TreeHook,
+    draft_phase_impl,
+    plain_step_impl,
+    prefill_impl,
+    speculative_step_impl,
+    state_spec,
+    verify_phase_impl,
+)
+from eagle_jax.target import TargetModel, default_mesh, init_from_spec, is_spec, shardings_for
+
+log = logging.getLogger(__name__)
+
+KERNEL_IMPLS = ("auto", "kernel", "reference")
+# The tree-attention kernel tiles the cache in blocks of this many slots (its default
+# block_k); only a cache whose length is a multiple of it can take the kernel
+# (pallas_kernels.tree_attention.select_tree_attention_path), so GPU tables round up.
+TREE_ATTENTION_BLOCK = 64
+
+
+class CompileAfterBuildError(EagleJaxError):
+    """A graph was asked for that the step table did not compile at start-up."""
+
+
+def default_prefill_batches(batch_buckets: Sequence[int], prompt_bucket: int, token_budget: int) -> tuple[int, ...]:
+    """Prefill batch sizes for one prompt bucket: 1, then every batch bucket whose padded
+    tokens fit ``token_budget``. Batching pays for short prompts (matrix products of a
+    few dozen rows waste the weights' reads); a long prompt is already a big product."""
+    return tuple(sorted({1} | {n for n in batch_buckets if n * prompt_bucket <= token_budget}))
+
+
+def _pow2_at_most(values: Sequence[int], n: int) -> int:
+    return max(v for v in values if v <= n)
+
+
+@dataclasses.dataclass
+class BuildReport:
+    graphs: int
+    seconds: float
+    names: list[str]
+
+
+class StepTable:
+    """Every compiled graph for one (target, draft) pair and one set of static shapes.
+
+    Args:
+      target: the target model (``eagle_jax.target.TargetModel``).
+      draft: the EAGLE-3 draft, or None (plain steps only).
+      shapes: the speculative shapes the policy may choose (empty: plain only).
+      batch_buckets: padded batch sizes.
+      prompt_buckets: padded prompt lengths for prefill.
+      max_seq_len: context of one request (prompt + new tokens).
+      prefill_token_budget: prefill batches up to this many padded tokens (see
+        ``default_prefill_batches``).
+      kernel_impl: verification kernels, "auto" / "kernel" / "reference".
+      check_finite: steps also return per-row "logits were finite" flags.
+      time_phases: speculative steps as two graphs (draft phase, verify phase).
+      tree_hook: a draft hook traced into speculative steps (the oracle; None in serving).
+      hook_width: columns of ``state.hook_data`` the hook reads (0: no hook data).
+      mesh: the device mesh (default: one device, axes data and model).
+      cache_align: round the target cache length up to a multiple of this (default: the
+        tree-attention kernel's block on GPUs, so the kernel applies; 1 on CPU).
+      plain: compile the plain step (a policy that never runs it need not).
+      sampled: compile steps for batches with sampled rows (False: greedy-only steps).
+    """
+
+    def __init__(
+        self, target: TargetModel, draft: Eagle3Draft | None, *, shapes: Sequence[SpeculativeConfig],
+        batch_buckets: Sequence[int], prompt_buckets: Sequence[int], max_seq_len: int,
+        prefill_token_budget: int = 512, kernel_impl: str = "auto", check_finite: bool = False,
+        time_phases: bool = False, tree_hook: TreeHook | None = None, hook_width: int = 0,
+        mesh: Mesh | None = None, cache_align: int | None = None, plain: bool = True, sampled: bool = True,
+    ):
+        shapes = tuple(dict.fromkeys(shapes))  # unique, in order
+        if shapes and draft is None:
+            raise ConfigError("speculative shapes were given but there is no draft")
+        if kernel_impl not in KERNEL_IMPLS:
+            raise ConfigError(f"kernel_impl={kernel_impl!r}; valid: {', '.join(KERNEL_IMPLS)}")
+        if time_phases and not shapes:
+            raise ConfigError("time_phases needs at least one speculative shape")
+        if (tree_hook is None) != (hook_width == 0):
+            raise ConfigError("tree_hook and hook_width go together")
+        if not plain and not shapes:
+            raise ConfigError("a step table needs the plain step or at least one speculative shape")
+        self.plain, self.sampled = plain, sampled
+        self.target, self.draft, self.shapes = target, draft, shapes
+        self.batch_buckets = tuple(batch_buckets)
+        self.prompt_buckets = tuple(prompt_buckets)
+        self.max_seq_len = max_seq_len
+        self.kernel_impl, self.check_finite, self.time_phases = kernel_impl, check_finite, time_phases
+        self.tree_hook, self.hook_width = tree_hook, hook_width
+        self.mesh = mesh or default_mesh()
+        self.backend = jax.default_backend()
+        self.cache_align = cache_align or (TREE_ATTENTION_BLOCK if self.backend == "gpu" else 1)
+        self.prefill_batches = {
+            p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
+        }
+        self._bound = BoundModules(target, draft)
+        self._rep = NamedSharding(self.mesh, PartitionSpec())
+        self.params = jax.device_put(self._bound.params, self._rep)
+        self._specs = {b: self._state_spec(b) for b in set(self.batch_buckets) | self._prefill_sizes()}
+        self._graphs: dict[tuple, Any] = {}
+        self.report: BuildReport | None = None
+
+    # -- shapes and shardings
+
+    def _prefill_sizes(self) -> set[int]:
+        return {n for ns in self.prefill_batches.values() for n in ns}
+
+    def _state_spec(self, b: int) -> SpecState:
+        return state_spec(self.target, self.draft, list(self.shapes), b, self.max_seq_len,
+                          cache_align=self.cache_align, hook_width=self.hook_width)
+
+    def _batch_sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec("data", *([None] * (ndim - 1))))
+
+    def _structs(self, b: int):
+        spec = self._specs[b]
+        sh = shardings_for(spec, self.mesh)
+        return jax.tree.map(lambda s, h: s.struct(h), spec, sh, is_leaf=is_spec), sh
+
+    def _samp_struct(self, b: int) -> SamplingArrays:
+        return SamplingArrays(*(jax.ShapeDtypeStruct(s, d, sharding=self._batch_sharding(len(s)))
+                                for s, d in (((b,), jnp.float32), ((b,), jnp.int32), ((b,), jnp.float32), ((b, 2), jnp.uint32))))
+
+    def _int_struct(self, *shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._batch_sharding(len(shape)))
+
+    @property
+    def target_cache_len(self) -> int:
+        return jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0].shape[1]
+
+    def verify_attention_path(self) -> str:
+        """How verify forwards attend in this table's graphs, and why (for the start-up log).
+
+        On CPU the verify forward attends with a dense ancestor mask in XLA (faster there
+        than the interpreted kernel); on GPUs ``pallas_kernels.tree_attention`` picks the
+        kernel or its XLA reference by ``select_tree_attention_path``, here asked with the
+        table's real cache shape."""
+        if not self.shapes:
+            return "no verify (plain only)"
+        if self.backend != "gpu" or self.kernel_impl == "reference":
+            return f"XLA dense ancestor mask ({'kernel_impl=reference' if self.backend == 'gpu' else self.backend})"
+        from pallas_kernels.tree_attention import select_tree_attention_path
+
+        cfg = self.target.config
+        leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
+        if len(leaf.shape) != 4:  # not a [B, S, KV, D] cache: the kernel does not apply
+            return f"XLA (cache leaves of shape {leaf.shape} are not [B, S, KV, D])"
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        paths = {}
+        for shape in self.shapes:
+            q = (leaf.shape[0], shape.num_draft_tokens, cfg.num_attention_heads, leaf.shape[3])
+            path, why = select_tree_attention_path("auto", self.backend, q, leaf.shape, leaf.dtype, compute_capability=cc)
+            paths[shape.shape] = f"{'Pallas tree-attention kernel' if path == 'kernel' else 'XLA reference'} ({why})"
+        return "; ".join(f"{k}: {v}" for k, v in paths.items())
+
+    # -- graph definitions
+
+    def _jit(self, fn, in_sh, out_sh, donate=()):
+        return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
+
+    def _modules(self, params):
+        return self._bound.modules(params)
+
+    def _define(self) -> list[tuple[str, tuple, Callable[[], Any]]]:
+        """(name, key, compile thunk) for every graph."""
+        jobs = []
+        rep = self._rep
+        bsh = self._batch_sharding
+        fin = (lambda b: bsh(1)) if self.check_finite else (lambda b: None)
+        hook = self.tree_hook
+
+        for p in self.prompt_buckets:
+            for n in self.prefill_batches[p]:
+                def prefill(params, tokens, lengths, samp, hook_data, n=n):
+                    t, d = self._modules(params)
+                    state = init_from_spec(self._specs[n])
+                    if hook_data is not None:
+                        state = dataclasses.replace(state, hook_data=hook_data)
+                    return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False)
+
+                st, sh = self._structs(n)
+                hd = self._int_struct(n, self.hook_width) if self.hook_width else None
+                args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n), hd)
+                in_sh = (rep, bsh(2), bsh(1), self._samp_shardings(), None if hd is None else bsh(2))
+                jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, bsh(1)), (), args)))
+
+        for b in self.batch_buckets:
+            st, sh = self._structs(b)
+            jobs.append((f"zeros batch {b}", ("zeros", b),
+                         self._thunk(lambda b=b: init_from_spec(self._specs[b]), (), sh, (), ())))
+            for n in sorted(self._prefill_sizes()):
+                if n > b:
+                    continue
+                nst, nsh = self._structs(n)
+
+                def insert(state, rows_state, rows):
+                    # Row i of rows_state goes to row rows[i]; rows past the end are padding, dropped.
+                    return jax.tree.map(lambda s, r: s.at[rows].set(r.astype(s.dtype), mode="drop"), state, rows_state)
+
+                jobs.append((f"insert {n} into batch {b}", ("insert", b, n),
+                             self._thunk(insert, (sh, nsh, bsh(1)), sh, (0,), (st, nst, self._int_struct(n)))))
+            for other in self.batch_buckets:
+                if other == b:
+                    continue
+                _, osh = self._structs(other)
+
+                def gather(state, rows):
+                    return jax.tree.map(lambda s: jnp.take(s, rows, axis=0), state)
+
+                jobs.append((f"resize {b}->{other}", ("gather", b, other),
+                             self._thunk(gather, (sh, bsh(1)), osh, (), (st, self._int_struct(other)))))
+            samp = self._samp_struct(b)
+            for shape in ((None,) if self.plain else ()) + self.shapes:
+                if shape is not None and self.time_phases:
+                    def draft_phase(params, dcache, state, samp, shape=shape):
+                        t, d = self._modules(params)
+                        return draft_phase_impl(t, d, dataclasses.replace(state, draft_cache=dcache), samp, cfg=shape, tree_hook=hook)
+
+                    rest = dataclasses.replace(st, draft_cache=None)
+                    rest_sh = dataclasses.replace(sh, draft_cache=None)
+                    tree_sh = bsh(2)
+                    jobs.append((f"draft phase batch {b} {shape.shape}", ("draft", b, shape),
+                                 self._thunk(draft_phase, (rep, sh.draft_cache, rest_sh, self._samp_shardings()),
+                                             (tree_sh, sh.draft_cache), (1,), (self.params, st.draft_cache, rest, samp))))
+                for greedy in (True, False) if self.sampled else (True,):
+                    how = "greedy" if greedy else "sampled"
+                    kw = dict(greedy_only=greedy, max_seq_len=self.max_seq_len)
+                    outs = (sh, bsh(2), bsh(1), fin(b))
+                    if shape is None:
+                        def plain(params, state, samp, kw=kw):
+                            t, d = self._modules(params)
+                            return plain_step_impl(t, d, state, samp, check_finite=self.check_finite, **kw)
+
+                        jobs.append((f"plain step batch {b} {how}", ("step", b, None, greedy),
+                                     self._thunk(plain, (rep, sh, self._samp_shardings()), outs, (1,), (self.params, st, samp))))
+                    elif self.time_phases:
+                        def verify_phase(params, state, tree, samp, shape=shape, kw=kw):
+                            t, d = self._modules(params)
+                            return verify_phase_impl(t, d, state, tree, state.draft_cache, samp, cfg=shape,
+                                                     kernel_impl=self.kernel_impl, check_finite=self.check_finite, **kw)
+
+                        tree_struct = self._tree_struct(b, shape)
+                        jobs.append((f"verify phase batch {b} {shape.shape} {how}", ("verify", b, shape, greedy),
+                                     self._thunk(verify_phase, (rep, sh, bsh(2), self._samp_shardings()), outs, (1,),
+                                                 (self.params, st, tree_struct, samp))))
+                    else:
+                        def spec_step(params, state, samp, shape=shape, kw=kw):
+                            t, d = self._modules(params)
+                            return speculative_step_impl(t, d, state, samp, cfg=shape, kernel_impl=self.kernel_impl,
+                                                         check_finite=self.check_finite, tree_hook=hook, **kw)
+
+                        jobs.append((f"speculative step batch {b} {shape.shape} {how}", ("step", b, shape, greedy),
+                                     self._thunk(spec_step, (rep, sh, self._samp_shardings()), outs, (1,), (self.params, st, samp))))
+        return jobs
+
+    def _samp_shardings(self) -> SamplingArrays:
+        b = self._batch_sharding
+        return SamplingArrays(b(1), b(1), b(1), b(2))
+
+    def _tree_struct(self, b: int, shape: SpeculativeConfig):
+        from eagle_jax.speculative import Tree
+
+        s = self._int_struct(b, shape.num_draft_tokens)
+        return Tree(tokens=s, parents=s, depths=s)
+
+    def _thunk(self, fn, in_sh, out_sh, donate, args):
+        def compile_():
+            return self._jit(fn, in_sh, out_sh, donate).lower(*args).compile()
+        return compile_
+
+    # -- build
+
+    def build(self, progress: bool = False) -> BuildReport:
+        """Compile every graph (once); returns how many and how long."""
+        if self.report is not None:
+            return self.report
+        jobs = self._define()
+        t0 = time.perf_counter()
+
+        def run(name, key, thunk):
+            try:
+                self._graphs[key] = thunk()
+            except Exception as e:
+                e.add_note(f"eagle-jax: while compiling the {name} graph at start-up")
+                raise
+
+        if progress:
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("compiling", total=len(jobs))
+                for name, key, thunk in jobs:
+                    bar.update(task, description=f"compiling {name}")
+                    run(name, key, thunk)
+                    bar.advance(task)
+        else:
+            for name, key, thunk in jobs:
+                run(name, key, thunk)
+        self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs])
+        return self.report
+
+    def _get(self, key: tuple):
+        g = self._graphs.get(key)
+        if g is None:
+            if self.report is None:
+                raise CompileAfterBuildError(f"step table not built yet (graph {key} asked for); call build() first")
+            raise CompileAfterBuildError(
+                f"graph {key} was not compiled at start-up; the table holds batch buckets {self.batch_buckets}, "
+                f"prompt buckets {self.prompt_buckets}, shapes {[s.shape for s in self.shapes]}"
+            )
+        return g
+
+    # -- calls (each one a compiled executable; none can compile)
+
+    def prefill_batch(self, prompt_len: int, n_requests: int) -> int:
+        """The prefill batch size used for ``n_requests`` of prompt bucket ``prompt_len``
+        admitted together (the largest compiled one that does not exceed it)."""
+        return _pow2_at_most(self.prefill_batches[prompt_len], n_requests)
+
+    def prefill(self, tokens, lengths, samp: SamplingArrays, hook_data=None):
+        """Prefill ``tokens [n, p]`` (right-padded) into a fresh ``n``-row state:
+        ``(row_state, first_token [n])``."""
+        n, p = tokens.shape
+        return self._get(("prefill", n, p))(self.params, tokens, lengths, samp, hook_data)
+
+    def zeros(self, b: int) -> SpecState:
+        return self._get(("zeros", b))()
+
+    def insert(self, state: SpecState, rows_state: SpecState, rows) -> SpecState:
+        """Rows ``rows [n]`` of ``state`` (donated) become ``rows_state``'s rows; a row
+        index past the end is dropped (padding)."""
+        b, n = state.seq_lens.shape[0], rows_state.seq_lens.shape[0]
+        return self._get(("insert", b, n))(state, rows_state, rows)
+
+    def gather(self, state: SpecState, rows) -> SpecState:
+        return self._get(("gather", state.seq_lens.shape[0], rows.shape[0]))(state, rows)
+
+    def step(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig | None, greedy: bool):
+        """One step (plain when ``shape`` is None): ``(state, out_tokens [B, W], accept_length [B],
+        finite [B] or None)``; the state is donated."""
+        return self._get(("step", state.seq_lens.shape[0], shape, greedy))(self.params, state, samp)
+
+    def draft_phase(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig):
+        """The first half of a speculative step: ``(state, tree)``; the input state's draft
+        cache is donated and the returned state holds the drafted one."""
+        rest = dataclasses.replace(state, draft_cache=None)
+        tree, dcache = self._get(("draft", state.seq_lens.shape[0], shape))(self.params, state.draft_cache, rest, samp)
+        return dataclasses.replace(state, draft_cache=dcache), tree
+
+    def verify_phase(self, state: SpecState, tree, samp: SamplingArrays, shape: SpeculativeConfig, greedy: bool):
+        return self._get(("verify", state.seq_lens.shape[0], shape, greedy))(self.params, state, tree, samp)
+
+    def has(self, key: tuple) -> bool:
+        return key in self._graphs
+
+    def memory_bytes(self) -> int | None:
+        """Device memory of the compiled graphs' code and temporaries (None if unknown)."""
+        total = 0
+        for g in self._graphs.values():
+            m = g.memory_analysis()
+            if m is None:  # the backend does not report
+                return None
+            total += int(getattr(m, "temp_size_in_bytes", 0)) + int(getattr(m, "generated_code_size_in_bytes", 0))
+        return total
+
+    def device_put_rows(self, x: np.ndarray):
+        return jax.device_put(x, self._batch_sharding(x.ndim))
+
+    def sampling(self, params, b: int) -> SamplingArrays:
+        s = SamplingArrays.build(params, b)
+        return jax.device_put(s, self._samp_shardings())

@@ -1,0 +1,171 @@
+"""The target-model seam: what the step math, the step table, the engine, the loader and
+the doctor need from a target, and the registry that maps a checkpoint's
+``architectures`` to an implementation.
+
+A target is an NNX module with:
+
+- ``config``: its frozen config (``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
+  ``max_position_embeddings``, ``eos_token_ids``, ``feature_layer_ids``, ``architecture``);
+- ``dtype``: the compute dtype;
+- ``__call__(tokens [B, T], positions [B, T], cache, cache_slots [B, T], mask [B, T, S] | None,
+  *, return_features, tree)`` -> ``(hidden [B, T, H], features [B, T, F] | None, cache)``:
+  one forward for prefill, decode and tree verification, writing the new tokens' cache
+  entries at ``cache_slots`` (slots past the end are dropped);
+- ``logits(hidden [..., H])`` -> ``[..., V]`` float32;
+- ``cache_spec(batch, max_len)``: the *abstract* cache, a pytree of ``ArraySpec`` (shape,
+  dtype, logical axes). Zero-initialisation, sharding and the step table's shapes all
+  derive from it (as jax-llm-examples does), so a new attention kind (MLA's latent
+  cache, say) only describes its cache here.
+
+The cache contract the step math relies on: every leaf is ``[B, S, ...]``, batch on axis
+0 and cache slot on axis 1, so rows can be inserted and gathered and a tree commit can
+move slots with one ``tree.map``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eagle_jax.errors import ConfigError
+
+# Logical axis names used by caches and parameters, and where each goes on the mesh.
+# The mesh has axes ("data", "model"); single-device today (both of size 1), the sharding
+# work fills them in. None: replicated.
+DEFAULT_AXIS_RULES: dict[str, str | None] = {
+    "batch": "data",
+    "cache_seq": None,
+    "kv_heads": "model",
+    "heads": "model",
+    "head_dim": None,
+    "embed": None,
+    "mlp": "model",
+    "vocab": "model",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """An array described, not allocated: shape, dtype and one logical axis name per dim."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"ArraySpec: {len(self.axes)} axis names for shape {self.shape}")
+
+    def zeros(self) -> jax.Array:
+        # jnp.zeros, not jnp.empty: uninitialised slots can hold NaN, and masked-out NaN
+        # still poisons a softmax (0 * NaN).
+        return jnp.zeros(self.shape, self.dtype)
+
+    def struct(self, sharding=None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ArraySpec)
+
+
+def init_from_spec(spec_tree):
+    """Zeros for every ``ArraySpec`` leaf of ``spec_tree`` (other leaves kept as they are)."""
+    return jax.tree.map(lambda s: s.zeros() if is_spec(s) else s, spec_tree, is_leaf=is_spec)
+
+
+def cache_len(cache) -> int:
+    """Slots in a target or draft cache (axis 1 of its leaves; the cache contract)."""
+    return jax.tree.leaves(cache)[0].shape[1]
+
+
+def default_mesh() -> Mesh:
+    """A (data=1, model=1) mesh on the first device: where everything lives today."""
+    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+def partition_spec(axes: tuple[str | None, ...], rules: dict[str, str | None] = DEFAULT_AXIS_RULES) -> PartitionSpec:
+    """Logical axes -> a ``PartitionSpec`` (unknown names: an error, not replicated by accident)."""
+    out = []
+    for a in axes:
+        if a is not None and a not in rules:
+            raise ConfigError(f"logical axis {a!r} has no sharding rule; known: {', '.join(rules)}")
+        out.append(None if a is None else rules[a])
+    return PartitionSpec(*out)
+
+
+def shardings_for(spec_tree, mesh: Mesh, rules: dict[str, str | None] = DEFAULT_AXIS_RULES):
+    """A ``NamedSharding`` for every ``ArraySpec`` leaf, from its logical axes."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, partition_spec(s.axes, rules)), spec_tree, is_leaf=is_spec)
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """What the step table, engine, loader and doctor use of a target (see the module doc)."""
+
+    config: Any
+    dtype: Any
+
+    def __call__(self, tokens, positions, cache, cache_slots, mask, *, return_features: bool = False, tree=None): ...
+
+    def logits(self, hidden): ...
+
+    def cache_spec(self, batch: int, max_len: int): ...
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFamily:
+    """One implementation: how to read its config and build its module.
+
+    ``config_from_hf(d)`` validates a config.json dict (raising ``ConfigError`` that names
+    the field) and returns the frozen config; ``module(cfg, dtype=)`` builds the module;
+    ``param_names(cfg)`` maps module parameter paths to checkpoint tensor names (with a
+    transpose flag), which the loader and the doctor share."""
+
+    name: str
+    config_from_hf: Callable[[dict], Any]
+    module: Callable[..., Any]
+    param_names: Callable[[Any], dict]
+
+
+_FAMILIES: dict[str, TargetFamily] = {}
+
+
+def register_target(architectures: tuple[str, ...], family: TargetFamily) -> None:
+    for arch in architectures:
+        if arch in _FAMILIES and _FAMILIES[arch] is not family:
+            raise ValueError(f"architecture {arch!r} is registered twice")
+        _FAMILIES[arch] = family
+
+
+def supported_architectures() -> tuple[str, ...]:
+    _ensure_builtin()
+    return tuple(sorted(_FAMILIES))
+
+
+def family_for(config_dict: dict, where: str = "config.json") -> TargetFamily:
+    """The implementation for a config.json dict, by its ``architectures[0]``."""
+    _ensure_builtin()
+    archs = config_dict.get("architectures") or ["LlamaForCausalLM"]
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ConfigError(f"{where}: 'architectures' must be a list of names, got {archs!r}")
+    fam = _FAMILIES.get(archs[0])
+    if fam is None:
+        raise ConfigError(
+            f"{where}: architecture {archs[0]!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
+        )
+    return fam
+
+
+def _ensure_builtin() -> None:
+    # The built-in families register themselves on import; importing here (not at module
+    # top) keeps this module below model.py in the layering.
+    import eagle_jax.model  # noqa: F401

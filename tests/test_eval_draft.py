@@ -1,0 +1,186 @@
+"""`eagle-jax eval-draft`: the built-in suites, prompt-file errors, the figures, and the
+check that speculative output equals plain decoding, end to end on a tiny target and draft."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from eagle_jax import cli, evaluate
+from eagle_jax.checkpoint.draft_io import random_draft, save_draft
+from eagle_jax.config import ModelConfig
+from eagle_jax.errors import InputError
+from hf_factories import make_hf_model, write_word_tokenizer
+
+# ----------------------------------------------------------------------------- suites
+
+
+@pytest.mark.parametrize("name", evaluate.SUITES)
+def test_builtin_suites_parse_every_line(name):
+    path = evaluate.builtin_suite_path(name)
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    suite = evaluate.load_suite(name)
+    # The EAGLE authors' files hold 80 questions each.
+    assert len(suite.records) == len(lines) == 80
+    assert all(r.messages is not None and r.messages[-1]["role"] == "user" for r in suite.records)
+    assert (path.parent / "LICENSE").read_text().count("Apache License") >= 1
+    assert "SafeAILab/EAGLE" in (path.parent / "NOTICE").read_text()
+
+
+def test_max_prompts_spreads_over_mt_bench_categories():
+    suite = evaluate.load_suite("mt_bench")
+    picked = evaluate.select(suite, 10)
+    assert len(picked.records) == 10
+    categories = {json.loads(line)["category"] for line in suite.path.read_text().splitlines()}
+    picked_ids = {r.id for r in picked.records}
+    picked_categories = {
+        json.loads(line)["category"] for line in suite.path.read_text().splitlines() if json.loads(line)["id"] in picked_ids
+    }
+    assert picked_categories == categories and len(categories) == 8
+    assert evaluate.select(suite, 0) is suite
+
+
+def test_unknown_suite_lists_the_valid_ones(capsys, tmp_path):
+    rc = cli.main(["eval-draft", "--draft", str(tmp_path), "--suite", "mtbench"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown suite 'mtbench'" in err and "mt_bench, humaneval, gsm8k, alpaca" in err
+
+
+@pytest.mark.parametrize(
+    "second_line, message",
+    [
+        ('{"id": "b", "messages": [{"role": "user"}]}', "messages[0] must be an object"),
+        ('{"id": "b", "prompt": ', "not valid JSON"),
+        ('{"id": "b", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+         "the model answers a 'user' turn"),
+        ('{"id": "a", "prompt": "again"}', "id 'a' was already used at"),
+    ],
+)
+def test_bad_prompt_file_line_is_named(tmp_path, second_line, message):
+    f = tmp_path / "suite.jsonl"
+    f.write_text('{"id": "a", "prompt": "w1 w2"}\n' + second_line + "\n")
+    with pytest.raises(InputError, match="suite.jsonl:2: ") as e:
+        evaluate.load_suite(str(f))
+    assert message in str(e.value)
+
+
+def test_shapes_parse_and_bad_ones_are_refused():
+    assert evaluate.parse_shape("3/4/8") == (3, 4, 8)
+    cfg = evaluate.shape_config((3, 4, 8))
+    assert cfg.shape == "tree S=3 k=4 T=8" and evaluate.shape_arg(cfg) == "3/4/8"
+    assert evaluate.shape_config((2,)).shape == "chain S=2"
+    for bad in ("3/4", "x", "3/4/8/1", ""):
+        with pytest.raises(Exception, match="give S"):
+            evaluate.parse_shape(bad)
+    with pytest.raises(InputError, match="--shapes 3/4/99"):
+        evaluate.shape_config((3, 4, 99))
+
+
+def test_acceptance_by_depth_counts_accepted_drafts():
+    # Accept length n = n-1 accepted drafts + the bonus token.
+    fig = evaluate.acceptance([1, 2, 4, 3], num_steps=3)
+    assert fig["mean_accept_length"] == 2.5
+    assert fig["acceptance_rate_by_depth"] == [0.75, 0.5, 0.25]
+    assert fig["accept_length_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert evaluate.acceptance([], num_steps=2)["mean_accept_length"] is None
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny target with a chat template, a draft for it, and a two-prompt suite.
+
+    Random weights would make the draft's guesses all wrong, leaving the accept paths
+    untested. So both models see only one coordinate of their final hidden state (norm
+    weight zero elsewhere), and both heads turn its sign into token a or token b: the
+    target's sign and the draft's agree on some steps and not on others.
+    """
+    root = tmp_path_factory.mktemp("eval")
+    hf = make_hf_model("llama3", seed=3)
+    target = root / "target"
+    hf.save_pretrained(target, safe_serialization=True)
+    draft_model = random_draft(ModelConfig.from_dir(target), seed=0, draft_vocab_size=150)
+    d2t = np.asarray(draft_model.d2t[...])
+    in_draft = [(i, i + int(d2t[i])) for i in range(len(d2t)) if i + int(d2t[i]) > 2]  # skip EOS (w2)
+    (ia, a), (ib, b) = in_draft[0], in_draft[1]
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()
+        hf.model.norm.weight[0] = 1.0
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[a, 0], hf.lm_head.weight[b, 0] = 10.0, -10.0
+    hf.save_pretrained(target, safe_serialization=True)
+    write_word_tokenizer(target, hf.config.vocab_size)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    h = draft_model.config.hidden_size
+    draft_model.norm.weight.set_value(jnp.zeros((h,)).at[0].set(1.0))
+    draft_model.lm_head.set_value(jnp.zeros_like(draft_model.lm_head[...]).at[0, ia].set(10.0).at[0, ib].set(-10.0))
+    draft = root / "draft"
+    save_draft(draft_model, draft)
+    suite = root / "tiny.jsonl"
+    suite.write_text(
+        '{"id": "p1", "messages": [{"role": "user", "content": "w5 w9 w13 w40"}]}\n'
+        "\n"
+        '{"id": "p2", "prompt": "w7 w8 w100"}\n'
+    )
+    return {"target": target, "draft": draft, "suite": suite, "root": root}
+
+
+def _run(tiny, out, *extra):
+    return cli.main([
+        "eval-draft", "--model", str(tiny["target"]), "--draft", str(tiny["draft"]), "--suite", str(tiny["suite"]),
+        "--max-new-tokens", "10", "--out", str(out), *extra,
+    ])
+
+
+def test_eval_draft_end_to_end(tiny, capsys):
+    out = tiny["root"] / "res" / "eval.json"
+    assert _run(tiny, out, "--shapes", "2", "2/2/4", "--repeats", "2") == 0
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("eagle-jax eval-draft --draft ")
+    assert "--shapes 2 2/2/4" in report["command"] and "--repeats 2" in report["command"]
+    env = report["environment"]
+    assert env["packages"]["jax"] and env["devices"] and env["cpu"] and env["dtype"] == "float32"
+    assert "commit" in env["git"] or "error" in env["git"]
+    assert report["compiles_during_timing"] == 0
+    entry = report["suites"][str(tiny["suite"])]
+    assert entry["prompts"] == 2 and entry["prompt_ids"] == ["p1", "p2"]
+    assert entry["plain"]["tokens_per_s"] > 0 and len(entry["plain"]["runs"]) == 2
+    assert set(entry["shapes"]) == {"chain S=2", "tree S=2 k=2 T=4"}
+    for row in entry["shapes"].values():
+        depth = row["acceptance_rate_by_depth"]
+        assert len(depth) == 2 and 1 > depth[0] >= depth[1] >= 0
+        assert depth[0] > 0  # some drafts were accepted, so the equality check saw accepted tokens
+        assert 1 < row["mean_accept_length"] < 3
+        assert sum(row["accept_length_histogram"].values()) == row["steps"] > 0
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / entry["plain"]["tokens_per_s"])
+        # Both passes compared both prompts with plain decoding.
+        assert row["identical_to_plain"] and row["outputs_compared"] == 4
+    # The engine's own count covers both passes of both shapes, plus the warm-ups.
+    assert report["engine_totals"]["steps"] > 2 * sum(r["steps"] for r in entry["shapes"].values())
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "| suite | shape | accept length |" in table and "tree S=2 k=2 T=4" in table
+
+
+def test_a_speculative_output_that_differs_from_plain_is_a_hard_error(tiny, monkeypatch):
+    from eagle_jax.engine import Engine
+
+    real = Engine.generate
+
+    def corrupt(self, prompts, params):
+        out = real(self, prompts, params)
+        if self.config.speculative is not None and len(prompts) > 1:  # the timed passes, not the warm-up
+            out[1].token_ids[-1] = (out[1].token_ids[-1] + 1) % 211
+        return out
+
+    monkeypatch.setattr(Engine, "generate", corrupt)
+    with pytest.raises(evaluate.OutputMismatchError, match=r"prompt 'p2' \(.*tiny.jsonl:3\), shape chain S=2"):
+        _run(tiny, tiny["root"] / "bad.json", "--shapes", "2")
+    assert not (tiny["root"] / "bad.json").exists()

@@ -1,0 +1,295 @@
+"""The runtime seams: the target registry and its config errors, the speculation policies,
+the step table's cache sizing for the tree-attention kernel, batched prefill, request
+timing and the end of a streamed request."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.config import ModelConfig
+from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.generate import Buckets, Generator
+from eagle_jax.model import LlamaModel
+from eagle_jax.policy import FixedPolicy, PlainPolicy, ThresholdPolicy
+from eagle_jax.requests import RequestProgress
+from eagle_jax.runtime import StepTable
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.spec_config import SpeculativeConfig, parse_shape
+from eagle_jax.target import TargetModel, supported_architectures
+from hf_factories import make_hf_model
+
+SPEC = SpeculativeConfig(num_steps=3)
+TREE = SpeculativeConfig(num_steps=3, topk=4, num_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("runtime_target")
+    make_hf_model("llama3", seed=3).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return random_draft(target.config, seed=1, draft_vocab_size=128)
+
+
+def _greedy(n):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------- target seam
+
+
+def test_llama_model_is_a_target_with_an_abstract_cache(target):
+    assert isinstance(target, TargetModel)
+    spec = target.cache_spec(3, 40)
+    leaves = jax.tree.leaves(spec, is_leaf=lambda x: hasattr(x, "axes"))
+    assert len(leaves) == 2 * target.config.num_hidden_layers
+    for leaf in leaves:
+        assert leaf.shape == (3, 40, target.config.num_key_value_heads, target.config.head_dim)
+        assert leaf.axes == ("batch", "cache_seq", "kv_heads", "head_dim")
+    assert set(supported_architectures()) >= {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, r"config.json: architecture 'DeepseekV3ForCausalLM' is not supported; supported: .*LlamaForCausalLM"),
+        ({"hidden_act": "gelu"}, r"config.json: hidden_act='gelu' is not supported; supported: silu"),
+        ({"sliding_window": 64}, r"config.json: sliding_window=64 .* is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config.json: rope_scaling.rope_type='yarn' is not supported; supported: default, linear, llama3"),
+    ],
+)
+def test_unsupported_config_fields_are_named(tmp_path, model_dir, change, message):
+    d = json.loads((model_dir / "config.json").read_text())
+    d.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    (tmp_path / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    with pytest.raises(ConfigError, match=message):
+        load_model(tmp_path)
+
+
+def test_sliding_window_that_never_applies_is_accepted(tmp_path, model_dir):
+    d = json.loads((model_dir / "config.json").read_text())
+    for extra in ({"sliding_window": 4096, "use_sliding_window": False}, {"sliding_window": None}):
+        cfg = ModelConfig.from_hf_dict({**d, **extra})
+        assert cfg.num_hidden_layers == d["num_hidden_layers"]
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def test_threshold_policy_keeps_the_cutoff_with_hysteresis():
+    p = ThresholdPolicy(SPEC, threshold=2, hysteresis=3)
+    buckets = [1, 1, 4, 4, 2, 2, 2, 2, 1, 8, 1]
+    # The first step speculates at once; above 2 it goes off; back on after 3 steps at or below.
+    want = [SPEC, SPEC, None, None, None, None, SPEC, SPEC, SPEC, None, None]
+    assert [p.choose(b) for b in buckets] == want
+    assert p.runs_plain and p.shapes == (SPEC,)
+    assert ThresholdPolicy(SPEC, threshold=None).runs_plain is False
+    assert all(ThresholdPolicy(SPEC, None).choose(b) == SPEC for b in (1, 64))
+    assert FixedPolicy(TREE).choose(64) == TREE and PlainPolicy().choose(1) is None
+    with pytest.raises(ConfigError, match="threshold"):
+        ThresholdPolicy(SPEC, threshold=-1)
+
+
+def test_shape_strings_round_trip():
+    for c in (SPEC, TREE, SpeculativeConfig(num_steps=5, topk=10, num_draft_tokens=60)):
+        assert parse_shape(c.shape) == c
+    with pytest.raises(ConfigError, match="not 'chain S=<n>'"):
+        parse_shape("tree S=3")
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        parse_shape("tree S=2 k=2 T=99")
+
+
+class _Cycle:
+    """A policy that switches among plain, a chain and a tree every step."""
+
+    def __init__(self):
+        self.shapes, self.runs_plain, self.seen, self._i = (SPEC, TREE), True, [], 0
+
+    def choose(self, bucket):
+        shape = (None, SPEC, TREE)[self._i % 3]
+        self._i += 1
+        return shape
+
+    def observe(self, bucket, shape, accept_lengths, step_s):
+        self.seen.append((bucket, shape, accept_lengths.tolist()))
+
+    def describe(self):
+        return "cycle"
+
+
+def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, draft):
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    ref = Generator(target, buckets=Buckets(batch=(4,), prompt=(16,), cache=(64,))).generate(prompts, _greedy(30))
+    policy = _Cycle()
+    eng = Engine(target, draft, EngineConfig(max_batch=4, max_seq_len=64, prompt_buckets=(16,), speculative=SPEC),
+                 policy=policy, progress=False)
+    out = eng.generate(prompts, _greedy(30))
+    assert [c.token_ids for c in out] == [r.token_ids for r in ref]
+    shapes_seen = {s for _, s, _ in policy.seen}
+    assert shapes_seen == {None, SPEC, TREE}
+    assert all(all(a == 1 for a in acc) for _, s, acc in policy.seen if s is None)
+    by_bucket = eng.metrics.summary()["steps_by_bucket"]
+    assert {k.split(": ")[1] for k in by_bucket} == {"plain", SPEC.shape, TREE.shape}
+
+
+def test_a_policy_choosing_an_unlisted_shape_is_a_clear_error(target, draft):
+    class Liar(_Cycle):
+        def choose(self, bucket):
+            return SpeculativeConfig(num_steps=2)
+
+    eng = Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=SPEC),
+                 policy=Liar(), progress=False)
+    eng.add_request([5, 6], _greedy(4))
+    with pytest.raises(ConfigError, match="chose 'chain S=2', which it did not list"):
+        eng.run_until_done()
+
+
+# ----------------------------------------------------------------------------- step table
+
+
+def _bf16_target():
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    return LlamaModel(cfg, dtype=jnp.bfloat16)
+
+
+def test_gpu_tables_size_the_cache_for_the_tree_attention_kernel(monkeypatch):
+    """On a GPU the target cache is rounded up to the kernel's 64-slot block, so the
+    selection (pallas_kernels.tree_attention.select_tree_attention_path) takes the
+    kernel; unrounded, it falls back and says why. No GPU needed: the table is not built."""
+    target = _bf16_target()
+    draft = random_draft(target.config, seed=0, draft_vocab_size=64)
+    kw = dict(shapes=(TREE,), batch_buckets=(1,), prompt_buckets=(64,), max_seq_len=256)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    on_gpu = StepTable(target, draft, **kw)
+    assert on_gpu.target_cache_len == 320  # 256 + 8 rounded up to a multiple of 64
+    assert "Pallas tree-attention kernel" in on_gpu.verify_attention_path()
+    unaligned = StepTable(target, draft, cache_align=1, **kw)
+    assert unaligned.target_cache_len == 264
+    path = unaligned.verify_attention_path()
+    assert "XLA reference" in path and "multiple of block_k=64" in path
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    on_cpu = StepTable(target, draft, **kw)
+    assert on_cpu.target_cache_len == 264 and on_cpu.verify_attention_path().startswith("XLA dense ancestor mask")
+
+
+def test_aligned_cache_is_lossless(target, draft):
+    """The GPU sizing (cache rounded up to 64 slots) changes nothing in the output."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    ref = Generator(target, buckets=Buckets(batch=(2,), prompt=(16,), cache=(64,))).generate(prompts, _greedy(20))
+    eng = Engine(target, draft, EngineConfig(max_batch=2, max_seq_len=64, prompt_buckets=(16,), speculative=TREE,
+                                             cache_align=64), progress=False)
+    assert eng._table.target_cache_len == 128
+    assert [c.token_ids for c in eng.generate(prompts, _greedy(20))] == [r.token_ids for r in ref]
+
+
+def test_requests_admitted_together_share_one_prefill(target, draft, monkeypatch):
+    eng = Engine(target, draft, EngineConfig(max_batch=4, max_seq_len=64, prompt_buckets=(16, 64), speculative=SPEC),
+                 progress=False)
+    assert eng._table.prefill_batches[16] == (1, 2, 4) and eng._table.prefill_batches[64] == (1, 2, 4)
+    calls = []
+    real = eng._table.prefill
+    monkeypatch.setattr(eng._table, "prefill", lambda tokens, *a: calls.append(tokens.shape) or real(tokens, *a))
+    prompts = [[5, 6, 7], [8, 9], [10] * 20, [11, 12, 13, 14]]
+    out = eng.generate(prompts, _greedy(6))
+    # Three short prompts: one call of 2 and one of 1 (the largest compiled sizes that fit);
+    # the long one in its own bucket.
+    assert sorted(calls) == [(1, 16), (1, 64), (2, 16)]
+    ref = Generator(target, buckets=Buckets(batch=(4,), prompt=(32,), cache=(64,))).generate(prompts, _greedy(6))
+    assert [c.token_ids for c in out] == [r.token_ids for r in ref]
+
+
+def test_prompt_longer_than_the_largest_bucket_is_refused_or_truncated(target):
+    cfg = EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None)
+    eng = Engine(target, None, cfg, progress=False)
+    with pytest.raises(InputError, match="the largest prompt bucket is 16"):
+        eng.add_request(list(range(3, 23)), _greedy(4))
+    eng = Engine(target, None, EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None,
+                                            long_prompt="truncate"), progress=False)
+    [c] = eng.generate([list(range(3, 23))], [_greedy(4)])
+    assert c.truncated_prompt and c.prompt_token_ids == list(range(7, 23))
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def test_request_timing_separates_queueing_from_decoding(target):
+    """Batch 1, three requests at once: the later ones queue, so their tokens/s counted
+    from arrival falls, while the decode rate (after the first token) does not."""
+    eng = Engine(target, None, EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None), progress=False)
+    out = eng.generate([[5, 6, 7]] * 3, _greedy(40))
+    q = [c.queue_s for c in out]
+    assert q[0] < q[1] < q[2]
+    for c in out:
+        assert c.ttft_s >= c.queue_s
+        assert c.decode_tokens_per_second is not None and c.decode_tokens_per_second > 0
+        t = c.timing()
+        assert set(t) == {"queue_s", "ttft_s", "decode_tokens_per_second", "tokens_per_second"}
+    # Identical work: the last request's from-arrival rate is well below its decode rate.
+    assert out[2].tokens_per_second < 0.75 * out[2].decode_tokens_per_second
+    assert out[2].tokens_per_second < out[0].tokens_per_second
+
+
+class _ByteTokenizer:
+    """Token i is byte i; decoding is UTF-8 with replacement, like a byte-level BPE."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self):
+        from eagle_jax.tokenizer import StreamDecoder
+
+        return StreamDecoder(self)
+
+
+def test_stream_gets_the_text_held_back_at_the_end():
+    """A request that ends inside a multi-byte character: the held-back text reaches
+    on_text, so the streamed text equals the final text."""
+    tok = _ByteTokenizer()
+    got = []
+    prog = RequestProgress(0, [1], SamplingParams(max_new_tokens=3), (), 3, tok, lambda i, d: got.append(d))
+    for b in "h".encode() + "é".encode()[:1] + b"!":  # 'h', half of 'é', then '!'
+        prog.push(b)
+    # The cut character is decoded as U+FFFD once later bytes show it is invalid.
+    assert "".join(got) == prog.final_text(tok) == "h\ufffd!"
+    got.clear()
+    prog = RequestProgress(0, [1], SamplingParams(max_new_tokens=2), (), 2, tok, lambda i, d: got.append(d))
+    for b in "h".encode() + "é".encode()[:1]:  # the request ends on the half character
+        prog.push(b)
+    assert prog.finish_reason == "length"
+    assert "".join(got) == prog.final_text(tok) == "h\ufffd"
+
+
+def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
+    """Through the engine: Engine.stream yields the flushed tail too."""
+    import eagle_jax.requests as requests_mod
+
+    eng = Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=None),
+                 tokenizer=_ByteTokenizer(), progress=False)
+    flushed = []
+    real = requests_mod.RequestProgress._finish
+
+    def spy(self, reason):
+        real(self, reason)
+        flushed.append(self.text)
+
+    monkeypatch.setattr(requests_mod.RequestProgress, "_finish", spy)
+    deltas = list(eng.stream([5, 6, 7], _greedy(12)))
+    [c] = eng.generate([[5, 6, 7]], [_greedy(12)])
+    assert "".join(deltas) == c.text == flushed[0]
