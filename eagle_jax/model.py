@@ -167,6 +167,97 @@ def masked_attention(
     return out.reshape(b, t, hq, d)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefixMask:
+    """The mask of every forward the step math runs, as structure instead of ``[B, T, S]``:
+    the T new tokens of row b sit at slots ``prefix_len[b] + t``; query t sees every slot
+    below ``prefix_len[b]`` and the new tokens j with ``block[b, t, j]`` (causal for
+    prefill, decode and the draft extend; the tree's ancestors for verification).
+
+    With it, attention visits only the cache blocks that hold the prefix
+    (``prefix_attention``), so a step costs what its rows' lengths cost, not the cache
+    length: a short request in an engine sized for long ones decodes at its own speed.
+    """
+
+    prefix_len: Int[Array, "B"]
+    block: Bool[Array, "B T T"]
+
+    @staticmethod
+    def causal(prefix_len: Int[Array, "B"], t: int) -> "PrefixMask":
+        tri = jnp.tril(jnp.ones((t, t), bool))
+        return PrefixMask(prefix_len, jnp.broadcast_to(tri, (prefix_len.shape[0], t, t)))
+
+    def dense(self, max_len: int) -> Bool[Array, "B T S"]:
+        """The same mask over a cache of ``max_len`` slots (for checks and the draft)."""
+        t = self.block.shape[1]
+        rel = jnp.arange(max_len)[None, None, :] - self.prefix_len[:, None, None]
+        inside = jnp.take_along_axis(
+            self.block, jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (self.block.shape[0], t, max_len)), axis=2
+        )
+        return (rel < 0) | ((rel < t) & inside)
+
+
+# Cache slots per step of prefix_attention's loop (fewer when the cache is shorter).
+PREFIX_BLOCK = 256
+
+
+def prefix_attention(
+    q: Float[Array, "B T Hq D"],
+    k_new: Float[Array, "B T Hkv D"],
+    v_new: Float[Array, "B T Hkv D"],
+    k_cache: Float[Array, "B S Hkv D"],
+    v_cache: Float[Array, "B S Hkv D"],
+    mask: PrefixMask,
+    scale: float,
+    block: int = PREFIX_BLOCK,
+) -> Float[Array, "B T Hq D"]:
+    """Grouped-query attention over the prefix in the cache plus the new tokens, with an
+    online softmax (float32): the new tokens first (every query sees itself, so the
+    running max is finite), then a loop over the cache blocks below the batch's longest
+    prefix. The loop's trip count is dynamic, so the cost follows the rows' lengths.
+
+    Dense attention over a [B, T, S] mask measured 1.6x the whole decode step at S=2048
+    against S=128 for SmolLM2 on a 2-core CPU; this visits ceil(prefix / block) blocks.
+    """
+    b, t, hq, d = q.shape
+    s_len, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, t, hkv, g, d)
+    s = jnp.einsum("btkgd,bjkd->bkgtj", qg, k_new.astype(k_cache.dtype), preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask.block[:, None, None, :, :], s, -jnp.inf)
+    m = s.max(-1)  # [B, KV, G, T]
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)
+    acc = jnp.einsum("bkgtj,bjkd->bkgtd", p.astype(v_cache.dtype), v_new.astype(v_cache.dtype), preferred_element_type=jnp.float32)
+    blk = min(block, s_len)
+    prefix = mask.prefix_len
+
+    def body(i, carry):
+        m, l, acc = carry
+        lo = i * blk
+        start = jnp.minimum(lo, s_len - blk)  # the last block may overlap the one before
+        kb = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=1)
+        vb = jax.lax.dynamic_slice_in_dim(v_cache, start, blk, axis=1)
+        pos = start + jnp.arange(blk)
+        seen = (pos[None, :] >= lo) & (pos[None, :] < prefix[:, None])  # [B, blk]
+        sb = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        sb = jnp.where(seen[:, None, None, None, :], sb, -jnp.inf)
+        m_new = jnp.maximum(m, sb.max(-1))
+        corr = jnp.exp(m - m_new)
+        pb = jnp.exp(sb - m_new[..., None])
+        l = l * corr + pb.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum(
+            "bkgts,bskd->bkgtd", pb.astype(vb.dtype), vb, preferred_element_type=jnp.float32
+        )
+        return m_new, l, acc
+
+    n_blocks = (jnp.max(prefix) + blk - 1) // blk
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
+    out = (acc / l[..., None]).astype(q.dtype)  # [B, KV, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, d_in: int | None = None):
         d_in = d_in or cfg.hidden_size
@@ -191,7 +282,7 @@ class Attention(nnx.Module):
         k_cache: Float[Array, "B S KV D"],
         v_cache: Float[Array, "B S KV D"],
         cache_slots: Int[Array, "B T"],
-        mask: Bool[Array, "B T S"] | None,
+        mask: "Bool[Array, 'B T S'] | PrefixMask | None",
         tree: "TreeAttention | None" = None,
     ):
         b, t, _ = x.shape
@@ -208,6 +299,8 @@ class Attention(nnx.Module):
         scale = 1.0 / math.sqrt(self.head_dim)
         if tree is not None:
             out = tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
+        elif isinstance(mask, PrefixMask):
+            out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale)
         else:
             out = masked_attention(q, k_cache, v_cache, mask, scale)
         return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
@@ -285,7 +378,8 @@ class LlamaModel(nnx.Module):
           cache: the KV cache (S slots); returned updated.
           cache_slots: the slot each token's key/value is written to (>= S: not written).
           mask: ``mask[b, t, s]`` is True where token t may attend to slot s, after the
-            write (so a token must see its own slot).
+            write (so a token must see its own slot); or a ``PrefixMask`` (the new tokens
+            at slots ``prefix_len + t``), which attends block by block over the prefix only.
           return_features: also return the residual stream entering the feature layers,
             concatenated low..high (``F = len(feature_layer_ids) * H``).
           tree: for a verify forward, attend with the tree-attention kernel instead of

@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.draft import Eagle3Draft
 from eagle_jax.spec_config import SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
-from eagle_jax.model import KVCache, TreeAttention
+from eagle_jax.model import KVCache, PrefixMask, TreeAttention
 from eagle_jax.target import ArraySpec, TargetModel, cache_len
 from eagle_jax.sampling import (
     SamplingArrays,
@@ -162,19 +162,16 @@ def draft_tree(
     return tree, cache
 
 
-def verify_mask(seq_lens: Int[Array, "B"], tree_mask: Bool[Array, "B T T"], max_len: int) -> Bool[Array, "B T S"]:
+def verify_mask(seq_lens: Int[Array, "B"], tree_mask: Bool[Array, "B T T"], max_len: int | None = None) -> PrefixMask:
     """Tree queries see the committed prefix plus their ancestors at slots ``seq_len + t``."""
-    t = tree_mask.shape[1]
-    rel = jnp.arange(max_len)[None, None, :] - seq_lens[:, None, None]  # [B, 1, S]
-    in_tree = (rel >= 0) & (rel < t)
-    inside = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (tree_mask.shape[0], t, max_len)), axis=2)
-    return (rel < 0) | (in_tree & inside)
+    del max_len  # the structure does not depend on the cache length
+    return PrefixMask(seq_lens, tree_mask)
 
 
-def prefix_causal_mask(seq_lens: Int[Array, "B"], width: int, max_len: int) -> Bool[Array, "B W S"]:
+def prefix_causal_mask(seq_lens: Int[Array, "B"], width: int, max_len: int | None = None) -> PrefixMask:
     """Row i of a block written at ``seq_len + i`` sees slots ``<= seq_len + i``."""
-    last = seq_lens[:, None] + jnp.arange(width)[None, :]
-    return jnp.arange(max_len)[None, None, :] <= last[:, :, None]
+    del max_len
+    return PrefixMask.causal(seq_lens, width)
 
 
 # ----------------------------------------------------------------------------- step pieces

@@ -5,9 +5,9 @@ Prints, for batch 1 and 8: our decode-step time and tokens/s (median over repeat
 timed runs of the compiled step), end-to-end generate tokens/s, and transformers'
 ``generate`` tokens/s on the same prompts; plus the bandwidth roofline: weight bytes
 read per decode step over the matrix-vector bandwidth measured on this machine.
-Saves the figures to results/bench_decode.json.
+Saves the figures to results/bench_decode.json (--out overrides).
 
-    python scripts/bench_decode.py [--model DIR] [--new-tokens 64] [--repeats 5]
+    python scripts/bench_decode.py [--model DIR] [--new-tokens 64] [--repeats 5] [--batches 1 8] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.cli import default_model_dir
+from eagle_jax.defaults import default_model_dir
 from eagle_jax.generate import Buckets, Generator
-from eagle_jax.model import KVCache
-from eagle_jax.sampling import SamplingArrays, SamplingParams
+from eagle_jax.runtime import StepTable
+from eagle_jax.sampling import SamplingParams
 from eagle_jax.tokenizer import Tokenizer
 
 QUESTIONS = [
@@ -72,25 +72,36 @@ def weight_bytes_per_step(model) -> int:
 
 
 def time_decode_steps(gen: Generator, prompts, steps: int, repeats: int) -> list[float]:
-    """Median-able list of seconds per decode step for a batch of prompts (greedy)."""
+    """Median-able list of seconds per decode step for a batch of prompts (greedy).
+
+    Runs the plain step of a plain-only step table sized from ``gen.buckets`` as before
+    (batch bucket, prompt bucket, cache bucket ``s_len``): prefill into a fresh state, then
+    ``steps`` steps, timed. The table's target cache holds ``s_len + 2`` slots
+    (``state_spec`` sizes it for one tree of the default 1-step shape, 2 tokens; no
+    rounding up to the GPU kernel block) where the old ``PlainSteps`` cache held exactly
+    ``s_len``: a 2-slot difference, negligible."""
     b = Buckets.pick(gen.buckets.batch, len(prompts), "batch")
     p_len = Buckets.pick(gen.buckets.prompt, max(map(len, prompts)), "prompt")
     s_len = Buckets.pick(gen.buckets.cache, p_len + steps + 1, "cache")
+    table = StepTable(gen.model, None, shapes=(), batch_buckets=(b,), prompt_buckets=(p_len,), max_seq_len=s_len,
+                      prefill_token_budget=b * p_len, plain=True, sampled=False, cache_align=1)
+    table.build()  # compiled before timing (the old code compiled in its first, discarded run)
     tokens = np.zeros((b, p_len), np.int32)
     lengths = np.ones(b, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
         lengths[i] = len(p)
-    samp = SamplingArrays.build([SamplingParams()] * len(prompts), b)
+    samp = table.sampling([SamplingParams()] * len(prompts), b)
+    tokens, lengths = table.device_put_rows(tokens), table.device_put_rows(lengths)
+    rows = table.device_put_rows(np.arange(b, dtype=np.int32))
     per_step = []
-    for _ in range(repeats + 1):  # the first run compiles
-        cache = KVCache.zeros(gen.model.config, b, s_len, gen.model.dtype)
-        nxt, cache = gen.steps.prefill(jnp.asarray(tokens), jnp.asarray(lengths), cache, samp, greedy_only=True)
-        seq = jnp.asarray(lengths)
-        nxt.block_until_ready()
+    for _ in range(repeats + 1):  # the first run warms up
+        rows_state, _ = table.prefill(tokens, lengths, samp)
+        state = table.insert(table.zeros(b), rows_state, rows)
+        jax.block_until_ready(state)
         t = time.perf_counter()
         for _ in range(steps):
-            nxt, seq, cache = gen.steps.decode(nxt, seq, cache, samp, greedy_only=True)
+            state, nxt, _, _ = table.step(state, samp, None, greedy=True)
         nxt.block_until_ready()
         per_step.append((time.perf_counter() - t) / steps)
     return per_step[1:]

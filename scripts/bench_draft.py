@@ -23,7 +23,8 @@ import jax
 
 from eagle_jax.checkpoint.draft_io import load_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.cli import _enable_compilation_cache, default_draft_dir, default_model_dir
+from eagle_jax.defaults import default_draft_dir, default_model_dir
+from eagle_jax.defaults import enable_compilation_cache as _enable_compilation_cache
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import SpeculativeConfig
@@ -33,6 +34,8 @@ from eagle_jax.train.synthetic_prompts import synthetic_prompts
 sys.path.insert(0, str(Path(__file__).parent))
 from demo import QUESTIONS, run_once  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
+
 CONFIGS = {
     "chain S=1": SpeculativeConfig(num_steps=1),
     "chain S=2": SpeculativeConfig(num_steps=2),
@@ -41,6 +44,13 @@ CONFIGS = {
     "chain S=5": SpeculativeConfig(num_steps=5),
     "tree S=3 k=4 T=8": SpeculativeConfig(num_steps=3, topk=4, num_draft_tokens=8),
 }
+
+
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when inside it, else its last component, so
+    results/ files hold no machine's absolute paths."""
+    resolved = Path(path).resolve()
+    return resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else resolved.name
 
 
 def main():
@@ -94,7 +104,7 @@ def main():
         print(f"{name:<18}{tps:>8.1f} tok/s  speedup {row['speedup']:.2f}x  accept {row['mean_accept_length']:.2f}  identical {same}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "draft": str(draft_dir), "prompts": questions, "max_new_tokens": args.max_new_tokens,
+        "draft": repo_path(draft_dir), "prompts": questions, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "plain_tokens": sum(len(c.token_ids) for c in plain_out), "rows": rows,
     }, indent=2) + "\n")
     print(f"saved {args.out}")

@@ -5,7 +5,8 @@ On SmolLM2 (float32) at batch sizes 1, 4, 16 and 64 (that many requests arriving
 once, greedy, --new-tokens each; held-out chat prompts), for one draft: tokens/s per mode, the cutoff's loss
 against the better of on and off, and the host share of the step time at batch 1.
 "Off" keeps the draft in sync (the plain step with a 1-token draft extend), which is
-what the cutoff runs above its threshold. Saves results/bench_engine.json.
+what the cutoff runs above its threshold. Saves results/bench_engine.json
+(results/bench_engine_phases.json with --time-phases; --out overrides).
 
     python scripts/bench_engine.py --draft DIR [--threshold N] [--new-tokens 32] [--time-phases]
 
@@ -31,12 +32,21 @@ import jax
 
 from eagle_jax.checkpoint.draft_io import load_draft, random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.cli import default_model_dir
+from eagle_jax.defaults import default_model_dir
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import SpeculativeConfig
 from eagle_jax.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when inside it, else its last component, so
+    results/ files hold no machine's absolute paths."""
+    resolved = Path(path).resolve()
+    return resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else resolved.name
 
 
 def run(engine: Engine, prompts, sp, repeats: int) -> dict:
@@ -79,8 +89,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-phases", action="store_true",
                     help="time draft and verify apart (EngineConfig.time_phases; slower than the fused step)")
-    ap.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default results/bench_engine.json, or results/bench_engine_phases.json with --time-phases")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = Path("results/bench_engine_phases.json" if args.time_phases else "results/bench_engine.json")
     model_dir = args.model or default_model_dir()
     tok = Tokenizer.from_dir(model_dir)
     target = load_model(model_dir, dtype="float32")
@@ -131,7 +144,7 @@ def main():
             print(f"{b:>6}{ms(on['draft_ms_per_step']):>10}{ms(on['verify_ms_per_step']):>11}{share:>9}"
                   f"{ms(cut['draft_ms_per_step']):>14}{ms(cut['verify_ms_per_step']):>15}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"draft": str(args.draft or "random"), "threshold": args.threshold, "steps": args.steps, "topk": spec.topk, "draft_tokens": spec.num_draft_tokens,
+    args.out.write_text(json.dumps({"draft": repo_path(args.draft) if args.draft else "random", "threshold": args.threshold, "steps": args.steps, "topk": spec.topk, "draft_tokens": spec.num_draft_tokens,
                                     "new_tokens": args.new_tokens, "time_phases": args.time_phases, "rows": rows}, indent=2))
     print(f"saved {args.out}")
 

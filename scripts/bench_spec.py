@@ -7,14 +7,18 @@ draft extend (each phase jitted alone on the same shapes); and their ratio, the
 break-even accept length: the mean accept length a draft must reach for speculation to
 pay. Then checks it against reality: with a random draft (accept length ~1) the
 measured slowdown of speculative over plain generation should match the ratio.
-Saves the figures to results/bench_spec.json.
+Also times the body's weight matrix products alone (every layer's q/k/v/o and MLP
+matrices, as one jitted graph) on 1 row and on 6 rows (chain S=5 verifies 6 tokens), to
+show how much of the verify forward's cost over a plain step the M=6 products explain.
+Saves the figures to results/bench_spec.json (--out overrides).
 
-    python scripts/bench_spec.py [--model DIR] [--batches 1 8] [--draft-vocab 8192]
+    python scripts/bench_spec.py [--model DIR] [--batches 1 8] [--configs 0 1 ...] [--draft-vocab 8192] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -28,23 +32,20 @@ import numpy as np
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.cli import default_model_dir
-from eagle_jax.generate import Buckets, Generator, PlainSteps
-from eagle_jax.model import KVCache
+from eagle_jax.defaults import default_model_dir
+from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
+from eagle_jax.model import BoundModules
+from eagle_jax.runtime import StepTable
 from eagle_jax.sampling import SamplingArrays, SamplingParams
+from eagle_jax.spec_config import SpeculativeConfig
 from eagle_jax.speculative import (
-    SpeculativeConfig,
-    SpeculativeGenerator,
     SpecState,
-    SpecSteps,
     _draft_extend,
     accept_tree,
     commit_accepted,
     draft_tree,
-    new_state,
     verify_tree,
 )
-from eagle_jax.model import BoundModules
 from eagle_jax.tokenizer import Tokenizer
 
 CONFIGS = [
@@ -61,6 +62,11 @@ QUESTIONS = [
     "Give me a short recipe for pancakes.", "What is a prime number?",
 ]
 PROMPT_LEN, CACHE_LEN = 64, 256
+# Step tables here keep the caches at the sizes the pre-StepTable code used (no rounding
+# up to the tree-attention kernel's 64-slot block, which a GPU engine applies), so the
+# figures stay comparable with older runs. The verify forward of this float32 benchmark
+# takes the XLA dense-mask path on every backend anyway (the kernel wants bf16/f16).
+CACHE_ALIGN = 1
 
 
 def name(c: SpeculativeConfig) -> str:
@@ -79,43 +85,62 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def plain_step_ms(target, b, prompts, repeats):
-    steps = PlainSteps(target)
-    samp = SamplingArrays.build([SamplingParams()] * b, b)
-    holder = {"cache": KVCache.zeros(target.config, b, CACHE_LEN), "tok": jnp.zeros((b,), jnp.int32)}
-    seq = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    """Median ms of the plain greedy decode step (target only, no draft) at batch ``b``.
+
+    A plain-only step table (greedy graphs only, no prompt buckets: nothing is prefilled,
+    as before). Its target cache holds ``CACHE_LEN + 2`` slots (``state_spec`` sizes it for
+    one tree of the default 1-step shape, 2 tokens); the old ``PlainSteps`` cache was
+    exactly ``CACHE_LEN``: a 2-slot difference, negligible. The state starts zeroed with
+    the rows' lengths at the prompt lengths; each step advances them by one (the dense
+    attention mask spans the whole cache, so the step costs the same at any length)."""
+    t = StepTable(target, None, shapes=(), batch_buckets=(b,), prompt_buckets=(), max_seq_len=CACHE_LEN,
+                  plain=True, sampled=False, cache_align=CACHE_ALIGN)
+    t.build()
+    samp = t.sampling([SamplingParams()] * b, b)
+    seq = t.device_put_rows(np.asarray([len(p) for p in prompts], np.int32))
+    holder = {"state": dataclasses.replace(t.zeros(b), seq_lens=seq)}
 
     def run():
-        tok, _, holder["cache"] = steps.decode(holder["tok"], seq, holder["cache"], samp, greedy_only=True)
-        tok.block_until_ready()
+        holder["state"], out, _, _ = t.step(holder["state"], samp, None, greedy=True)
+        out.block_until_ready()
 
     return median_ms(run, repeats)
 
 
 def spec_ms(target, draft, cfg, b, prompts, repeats):
-    """(full step ms, {phase: ms}) on a state prefilled with real prompts."""
-    steps = SpecSteps(target, draft, cfg)
+    """(full step ms, {phase: ms}) on a state prefilled with real prompts.
+
+    The full step is a step table's compiled speculative step (greedy, this shape only);
+    its state is sized by ``state_spec`` for ``cfg`` as the old ``new_state`` was:
+    target cache ``CACHE_LEN + T``, draft cache ``CACHE_LEN + max(T, S+1, scratch+1)``."""
+    t = StepTable(target, draft, shapes=(cfg,), batch_buckets=(b,), prompt_buckets=(PROMPT_LEN,),
+                  max_seq_len=CACHE_LEN, prefill_token_budget=b * PROMPT_LEN, plain=False, sampled=False,
+                  cache_align=CACHE_ALIGN)
+    t.build()
     bd, bt = BoundModules(draft), BoundModules(target)
     (dp,), (tp,) = bd.params, bt.params
-    samp = SamplingArrays.build([SamplingParams()] * b, b)
+    samp = SamplingArrays.build([SamplingParams()] * b, b)  # for the phases jitted below
+    t_samp = t.sampling([SamplingParams()] * b, b)
     tokens = np.zeros((b, PROMPT_LEN), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state, _ = steps.prefill(new_state(target, draft, cfg, b, CACHE_LEN), jnp.asarray(tokens), lengths, samp, greedy_only=True)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    rows_state, _ = t.prefill(t.device_put_rows(tokens), t.device_put_rows(lengths), t_samp)
+    state = t.insert(t.zeros(b), rows_state, t.device_put_rows(np.arange(b, dtype=np.int32)))
     seq0_np = np.asarray(state.seq_lens)
     holder = {"state": state}
 
     def full():
         # Reset the lengths each call so every timed step sees the same context.
-        st = holder["state"]
-        st.seq_lens = jnp.asarray(seq0_np)
-        holder["state"], out, _, _ = steps.speculative(st, samp, greedy_only=True, max_seq_len=CACHE_LEN)
+        st = dataclasses.replace(holder["state"], seq_lens=t.device_put_rows(seq0_np.copy()))
+        holder["state"], out, _, _ = t.step(st, t_samp, cfg, greedy=True)
         out.block_until_ready()
 
     step = median_ms(full, repeats)
     st = holder["state"]
     seq0 = jnp.asarray(seq0_np)
-    # The drafting phase reads only the lengths, root and hidden; the caches travel apart.
+    # The drafting phase reads only the lengths, root and hidden; the caches travel apart
+    # (hook_data stays None: no draft hook).
     lite = SpecState(None, None, seq0, st.root, st.draft_hidden)
 
     # Each phase alone, jitted on the same shapes, its inputs produced by the earlier phase.
@@ -168,6 +193,26 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
     return step, phases
 
 
+def body_matmul_ms(target, rows: int, repeats: int) -> float:
+    """Median ms of the target body's weight matrix products alone on ``rows`` activation
+    rows: every layer's ``[in, out]`` kernels (attention q/k/v/o, MLP gate/up/down) in one
+    jitted graph, each applied to its own input, so nothing but the products is timed."""
+    from flax import nnx
+
+    kernels = [
+        v[...] for path, v in nnx.to_flat_state(nnx.state(target, nnx.Param))
+        if "layers" in path and path[-1] == "kernel" and v[...].ndim == 2
+    ]
+    rng = np.random.default_rng(0)
+    xs = [jnp.asarray(rng.standard_normal((rows, w.shape[0]), dtype=np.float32)).astype(w.dtype) for w in kernels]
+    products = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
+
+    def run():
+        jax.block_until_ready(products(xs, kernels))
+
+    return median_ms(run, repeats)
+
+
 def random_draft_slowdown(target, draft, tok, cfg, prompts, new_tokens):
     """Measured plain/speculative generate throughput with a (useless) random draft."""
     buckets = Buckets(batch=(len(prompts),), prompt=(PROMPT_LEN,), cache=(CACHE_LEN,))
@@ -205,6 +250,9 @@ def main():
     chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in QUESTIONS]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M float32; "
           f"random draft, draft vocab {args.draft_vocab}; context {CACHE_LEN}; medians of {args.repeats}")
+    m1, m6 = body_matmul_ms(target, 1, args.repeats), body_matmul_ms(target, 6, args.repeats)
+    body_matmuls = {"rows_1_ms": m1, "rows_6_ms": m6, "ratio_6_vs_1": m6 / m1}
+    print(f"body matrix products alone: {m1:.2f} ms on 1 row, {m6:.2f} ms on 6 rows ({m6 / m1:.2f}x)")
     results = []
     for b in args.batches:
         prompts = [chat[i % len(chat)] for i in range(b)]
@@ -226,7 +274,8 @@ def main():
               f"(mean accept {r['mean_accept']:.3f}): slowdown {slowdown:.2f}x vs predicted {be / r['mean_accept']:.2f}x")
         results.append({"batch": b, "random_draft_check": name(cfg), **r, "slowdown": slowdown, "predicted": be / r["mean_accept"]})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"jax": jax.__version__, "draft_vocab": args.draft_vocab, "context": CACHE_LEN, "results": results}, indent=2))
+    args.out.write_text(json.dumps({"jax": jax.__version__, "draft_vocab": args.draft_vocab, "context": CACHE_LEN,
+                                    "body_matmuls": body_matmuls, "results": results}, indent=2))
     print(f"\nsaved {args.out}")
 
 

@@ -17,7 +17,8 @@ import logging
 import time
 from pathlib import Path
 
-from eagle_jax.cli import _enable_compilation_cache, default_draft_dir, default_model_dir
+from eagle_jax.defaults import default_draft_dir, default_model_dir
+from eagle_jax.defaults import enable_compilation_cache as _enable_compilation_cache
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import SpeculativeConfig

@@ -6,6 +6,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eagle_jax.checkpoint.draft_io import random_draft
@@ -293,3 +294,42 @@ def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
     deltas = list(eng.stream([5, 6, 7], _greedy(12)))
     [c] = eng.generate([[5, 6, 7]], [_greedy(12)])
     assert "".join(deltas) == c.text == flushed[0]
+
+
+def test_cli_prompt_buckets_follow_the_longest_prompt():
+    """Each prompt is prefilled at its own power-of-two bucket: a file of 40-token
+    questions and 1,000-token documents keeps a 64-token bucket for the questions."""
+    from eagle_jax.cli import prompt_buckets_for
+
+    assert prompt_buckets_for(40, 2048) == (64,)
+    assert prompt_buckets_for(1000, 2048) == (64, 128, 256, 512, 1024)
+    assert prompt_buckets_for(1500, 1536) == (64, 128, 256, 512, 1024, 1536)
+    assert prompt_buckets_for(10, 16) == (16,)
+
+
+@pytest.mark.parametrize("s_len, block", [(40, 16), (37, 16), (12, 256), (64, 64)])
+def test_prefix_attention_equals_dense_masked_attention(s_len, block):
+    """The block-by-block attention over the prefix (what every step runs) against dense
+    attention under the same mask written out as [B, T, S]: causal and tree blocks,
+    ragged prefixes (0, mid-block, at a block edge, the whole cache) and a cache length
+    that is no multiple of the block (the last block overlaps)."""
+    from eagle_jax.model import PrefixMask, masked_attention, prefix_attention
+    from pallas_kernels.tree import tree_ancestor_mask
+
+    rng = np.random.default_rng(s_len + block)
+    b, t, hq, hkv, d = 4, 5, 4, 2, 8
+    prefix = np.array([0, min(16, s_len - t), min(17, s_len - t), s_len - t], np.int32)
+    k_cache = jnp.asarray(rng.standard_normal((b, s_len, hkv, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((b, s_len, hkv, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    k_new = jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32)
+    rows = jnp.arange(b)[:, None]
+    slots = jnp.asarray(prefix)[:, None] + jnp.arange(t)[None, :]
+    k_full = k_cache.at[rows, slots].set(k_new)
+    v_full = v_cache.at[rows, slots].set(v_new)
+    parents = jnp.asarray([[-1, 0, 0, 1, 2]] * b, jnp.int32)
+    for mask in (PrefixMask.causal(jnp.asarray(prefix), t), PrefixMask(jnp.asarray(prefix), tree_ancestor_mask(parents))):
+        want = masked_attention(q, k_full, v_full, mask.dense(s_len), 0.3)
+        got = prefix_attention(q, k_new, v_new, k_full, v_full, mask, 0.3, block=block)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -69,9 +69,13 @@ def test_generate_output_file(tmp_path, smollm2_dir):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in rows] == ["plain", 7]
     for x in rows:
-        assert set(x) == {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "tokens_per_second", "accept_lengths", "mean_accept_length"}
+        assert set(x) == {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "tokens_per_second", "accept_lengths",
+                          "mean_accept_length", "queue_s", "ttft_s", "decode_tokens_per_second"}
         assert 1 <= len(x["token_ids"]) <= 12 and x["finish_reason"] in ("stop", "length")
         assert x["tokens_per_second"] > 0
+        assert 0 <= x["queue_s"] <= x["ttft_s"]
+        # Counted from the first token, the decode rate is at least the from-arrival rate.
+        assert x["decode_tokens_per_second"] is None or x["decode_tokens_per_second"] >= x["tokens_per_second"]
     assert "Paris" in rows[1]["text"]
 
 
