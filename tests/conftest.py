@@ -7,6 +7,21 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """A persistent compilation cache for the test session: engines built for the same
+    shapes compile identical graphs (the step table compiles every graph at start-up), so
+    later engines read them back instead of recompiling. A fresh directory per session,
+    so a test never depends on what an earlier run left behind."""
+    import tempfile
+
+    import jax
+
+    cache = tempfile.mkdtemp(prefix="eagle-jax-test-jit-")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Where `make model` puts the imported SmolLM2 checkpoint.
 SMOLLM2_CHECKPOINT = REPO_ROOT / "checkpoints" / "smollm2-135m-instruct"
 

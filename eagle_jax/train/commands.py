@@ -1,11 +1,12 @@
 """``eagle-jax draft-data`` and ``eagle-jax train-draft``: make a draft for a target.
 
-    eagle-jax draft-data --model DIR --out DATA [--synthetic 1024 | --prompt-file F.jsonl]
+    eagle-jax draft-data --model DIR --out DATA [--synthetic 1024 | --prompt-file F.jsonl [--eval-prompt-file H.jsonl]]
     eagle-jax train-draft --model DIR --data DATA --out DRAFT
 
 ``draft-data`` has the target answer the prompts (conversations.jsonl,
 eval_conversations.jsonl) and stores the target's features (train/, eval/) with a
-manifest.json. ``train-draft`` trains an EAGLE-3 draft on them and writes it in the
+manifest.json; run again with the same arguments, it resumes a killed run
+(``DRAFT_DATA_DESCRIPTION`` says how). ``train-draft`` trains an EAGLE-3 draft on them and writes it in the
 released format, with training_log.jsonl and training.json beside it.
 """
 
@@ -19,33 +20,80 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_jax.cli import _positive_int
+from eagle_jax.defaults import positive_int as _positive_int
 from eagle_jax.errors import InputError
 
 log = logging.getLogger(__name__)
 
+# draft-data defaults. Batch: of 8/16/32/64, 64 decoded the most tokens per CPU-second
+# with SmolLM2-135M on the shared 2-core CPU (29/35/37/38 in a 1024-token context,
+# 48/52/57/66 in a 512-token one): a step re-reads the weights whatever the batch, so
+# fuller batches spread that cost. Context: 1024 tokens keep all but 0.5% of the bundled
+# chat prompts with room for a 256-token answer.
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_MAX_SEQ_LEN = 1024
+
+DRAFT_DATA_DESCRIPTION = """\
+Have the target answer chat prompts and store its features for draft training:
+OUT/conversations.jsonl and OUT/eval_conversations.jsonl (the answers), OUT/train/ and
+OUT/eval/ (the features), OUT/manifest.json.
+
+Prompt files: JSON Lines, one record a line, with a unique "id":
+  {"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}
+      rendered with the model's chat template and its generation prompt; the target
+      answers the last user turn, and earlier turns (earlier assistant replies included)
+      are context only: the loss covers the new answer alone.
+  {"id": ..., "prompt": "text"}   plain text, no chat template.
+Bad input is handled in two ways:
+  error, naming FILE:LINE: a line that is not JSON, not such a record (e.g. a role or
+      content that is not a string), or that repeats an id; an id in both files.
+  skipped, with the count per reason printed and kept in manifest.json: a well-formed
+      record that cannot be answered (last turn not from the user, a role other than
+      system/user/assistant, empty content), or whose prompt is longer than
+      MAX_SEQ_LEN - MAX_NEW_TOKENS tokens.
+
+Resuming: answers are appended to the conversations files as they finish, and features
+are written shard by shard. Run the same command again with the same --out to continue
+a killed run: prompts already answered are not asked again (a line torn by the kill is
+dropped), finished feature shards are kept. Whether an answer is sampled, and its seed,
+are hashed from the prompt's id, so the result equals an uninterrupted run's (with the
+same --batch-size: another one is allowed, but changes float rounding, so a rare answer
+may come out differently).
+manifest.json records the model (sha256 of its files), the prompt files (sha256) and
+the settings; rerunning with other ones into the same --out is refused.
+"""
+
 
 def add_parsers(sub) -> None:
+    import argparse
+
     d = sub.add_parser(
         "draft-data", help="regenerate draft training data with the target",
-        description="Have the target answer chat prompts and store its features for draft training.",
+        description=DRAFT_DATA_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d.add_argument("--model", type=Path, default=None, help="target model directory (default: the default model)")
-    d.add_argument("--out", type=Path, required=True, help="data directory to write")
+    d.add_argument("--out", type=Path, required=True, help="data directory to write (or to resume)")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--synthetic", type=_positive_int, default=None, metavar="N",
                      help="N built-in template prompts (default 1024 when no --prompt-file)")
-    src.add_argument("--prompt-file", type=Path, default=None, help="JSONL prompts, as for `generate`")
-    d.add_argument("--eval-prompts", type=int, default=64, metavar="N",
-                   help="held-out prompts: built-in ones on unseen topics, or the last N of --prompt-file (default 64)")
-    d.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    d.add_argument("--max-seq-len", type=_positive_int, default=320, help="prompt + response are cut to this (default 320)")
-    d.add_argument("--batch-size", type=_positive_int, default=64, help="requests answered together (default 64)")
+    src.add_argument("--prompt-file", type=Path, default=None, metavar="FILE", help="training prompts, JSONL (see below)")
+    d.add_argument("--eval-prompt-file", type=Path, default=None, metavar="FILE",
+                   help="held-out prompts for eval/, JSONL (with --prompt-file; default: the last --eval-prompts of it)")
+    d.add_argument("--eval-prompts", type=int, default=None, metavar="N",
+                   help="held-out prompts: N built-in ones on unseen topics (default 64), or the last N of --prompt-file "
+                        "(default 64), or the first N of --eval-prompt-file (default all); 0: no eval/")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
+    d.add_argument("--max-seq-len", type=_positive_int, default=DEFAULT_MAX_SEQ_LEN,
+                   help=f"context of prompt + answer (default {DEFAULT_MAX_SEQ_LEN}); prompts longer than "
+                        f"MAX_SEQ_LEN - MAX_NEW_TOKENS are skipped and counted")
+    d.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
+                   help=f"requests answered together (default {DEFAULT_BATCH_SIZE}, the fastest measured on a 2-core CPU); "
+                        f"may change between a run and its resumption")
     d.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered by sampling (default 0.25)")
     d.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--reuse-conversations", action="store_true",
-                   help="keep conversations already in --out and only (re)compute what is missing")
+    d.add_argument("--seed", type=int, default=0, help="picks the sampled prompts and their seeds (hashed with each prompt's id)")
+    d.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                   help="when stderr is not a terminal, print a progress line this often (default 30)")
     d.set_defaults(func=cmd_draft_data)
 
     t = sub.add_parser(
@@ -72,7 +120,7 @@ def add_parsers(sub) -> None:
 
 
 def _model_dir(args) -> Path:
-    from eagle_jax.cli import default_model_dir
+    from eagle_jax.defaults import default_model_dir
 
     path = args.model or default_model_dir()
     if not (path / "config.json").is_file():
@@ -85,100 +133,373 @@ def _fingerprint(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
 
 
-def _prompts(args, tok) -> tuple[list[list[int]], list[list[int]], str]:
-    from eagle_jax.prompts import read_prompt_file
+def _display_path(path: Path) -> str:
+    """A path for files that are kept or shared (manifests, training.json): relative to
+    the working directory when inside it, else the directory's name alone, so no machine's
+    absolute paths are recorded."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return resolved.name
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# The files of a model directory that decide what the target answers: weights, config,
+# tokenizer and chat template, generation settings (end-of-sequence ids).
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _model_sha256(model_dir: Path) -> str:
+    """sha256 over the model's weights, config and tokenizer files: a resumed run must
+    talk to the same target as the run it continues."""
+    h = hashlib.sha256()
+    files = [model_dir / n for n in _MODEL_FILES if (model_dir / n).is_file()] + sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        h.update(f.name.encode() + b"\0" + _file_sha256(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class _Split:
+    """The prompts of one split: (id, prompt ids) in file order, what was skipped and
+    why, and where they came from (compared when resuming)."""
+
+    requests: list
+    skipped: dict
+    source: dict
+    file: str | None = None
+
+
+def _encode_records(records, path: Path, tok, budget: int) -> tuple[list, dict]:
+    from eagle_jax.prompts import chat_problem
+
+    requests, skipped = [], {}
+    for r in records:
+        problem = chat_problem(r)
+        if problem is None:
+            try:
+                if r.messages is not None:
+                    ids = tok.encode(tok.apply_chat_template(list(r.messages), add_generation_prompt=True))
+                else:
+                    ids = tok.encode(r.prompt, add_special_tokens=True)
+            except InputError as e:
+                raise InputError(f"{path}:{r.line}: {e}") from e
+            if len(ids) > budget:
+                problem = f"prompt over {budget} tokens"
+        if problem is not None:
+            skipped[problem] = skipped.get(problem, 0) + 1
+            continue
+        requests.append((r.id, ids))
+    return requests, skipped
+
+
+def _prompts(args, tok, budget: int) -> dict[str, _Split]:
+    """The train and eval prompts, encoded; prompts over ``budget`` tokens and records
+    that cannot be answered are skipped and counted (see DRAFT_DATA_DESCRIPTION)."""
+    from eagle_jax.prompts import check_unique_ids, read_prompt_file
+    from eagle_jax.train.data import id_key
     from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
-    def chat(text):
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-
     if args.prompt_file is None:
-        n = args.synthetic or 1024
-        train = [chat(q) for q in synthetic_prompts(n, split="train", seed=args.seed)]
-        ev = [chat(q) for q in synthetic_prompts(args.eval_prompts, split="eval", seed=args.seed)]
-        return train, ev, f"synthetic:{n}"
-    encoded = []
-    for r in read_prompt_file(args.prompt_file):
-        if r.messages is not None:
-            encoded.append(tok.encode(tok.apply_chat_template(list(r.messages), add_generation_prompt=True)))
-        else:
-            encoded.append(tok.encode(r.prompt, add_special_tokens=True))
-    if args.eval_prompts >= len(encoded):
-        raise InputError(f"--eval-prompts {args.eval_prompts} leaves no training prompts of the {len(encoded)} in {args.prompt_file}")
-    cut = len(encoded) - args.eval_prompts
-    return encoded[:cut], encoded[cut:], str(args.prompt_file)
+        if args.eval_prompt_file is not None:
+            raise InputError("--eval-prompt-file needs --prompt-file")
+        n, n_eval = args.synthetic or 1024, 64 if args.eval_prompts is None else args.eval_prompts
+        splits = {}
+        for split, count in (("train", n), ("eval", n_eval)):
+            if count == 0:
+                continue
+            texts = synthetic_prompts(count, split=split, seed=args.seed)
+            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in texts]
+            requests = [(f"synthetic-{split}-{i}", p) for i, p in enumerate(ids) if len(p) <= budget]
+            skipped = {f"prompt over {budget} tokens": len(ids) - len(requests)} if len(requests) < len(ids) else {}
+            splits[split] = _Split(requests, skipped, {"synthetic": count, "seed": args.seed})
+        return _check_train(splits, "the built-in prompts")
+
+    records = read_prompt_file(args.prompt_file)
+    check_unique_ids(records, args.prompt_file)
+    sha = _file_sha256(args.prompt_file)
+    if args.eval_prompt_file is None:
+        n_eval = 64 if args.eval_prompts is None else args.eval_prompts
+        if n_eval >= len(records):
+            raise InputError(f"--eval-prompts {n_eval} leaves no training prompts of the {len(records)} in {args.prompt_file}")
+        cut = len(records) - n_eval
+        parts = {
+            "train": (records[:cut], args.prompt_file, {"sha256": sha, "records": f"all but the last {n_eval}"}),
+            "eval": (records[cut:], args.prompt_file, {"sha256": sha, "records": f"the last {n_eval}"}),
+        }
+    else:
+        held = read_prompt_file(args.eval_prompt_file)
+        check_unique_ids(held, args.eval_prompt_file)
+        train_lines = {id_key(r.id): r.line for r in records}
+        for r in held:
+            if id_key(r.id) in train_lines:
+                raise InputError(
+                    f"{args.eval_prompt_file}:{r.line}: id {r.id!r} is also in {args.prompt_file}:{train_lines[id_key(r.id)]} "
+                    f"(held-out prompts must not be trained on)"
+                )
+        n_eval = len(held) if args.eval_prompts is None else min(args.eval_prompts, len(held))
+        parts = {
+            "train": (records, args.prompt_file, {"sha256": sha, "records": "all"}),
+            "eval": (held[:n_eval], args.eval_prompt_file, {"sha256": _file_sha256(args.eval_prompt_file), "records": f"the first {n_eval}"}),
+        }
+    splits = {}
+    for split, (recs, path, source) in parts.items():
+        if recs:
+            requests, skipped = _encode_records(recs, path, tok, budget)
+            splits[split] = _Split(requests, skipped, source, path.name)
+    return _check_train(splits, str(args.prompt_file))
+
+
+def _check_train(splits: dict[str, _Split], where: str) -> dict[str, _Split]:
+    if not splits["train"].requests:
+        raise InputError(f"{where}: no usable training prompts (skipped: {splits['train'].skipped})")
+    return splits
+
+
+class _Progress:
+    """Progress of a long stage on stderr: a rich bar with ETA on a terminal; elsewhere
+    (a log file, nohup) a plain line every ``every_s`` seconds, since bar redraws would
+    fill the file. Rates and the ETA count only this run's work, so a resumed run's ETA
+    is not flattered by what an earlier run did."""
+
+    def __init__(self, label: str, total: int, done: int, unit: str, every_s: float):
+        self.label, self.total, self.unit, self.every = label, total, unit, every_s
+        self.done0 = self.done = done
+        self.printed = None
+        self.tokens = 0
+        self.t0 = self.last = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                TextColumn("{task.fields[info]}"), console=Console(stderr=True), transient=True,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total, completed=done, info="")
+
+    def _figures(self) -> str:
+        dt = time.perf_counter() - self.t0
+        rate = self.tokens / dt if dt > 0 else 0.0
+        new = self.done - self.done0
+        eta = (self.total - self.done) * dt / new if new else None
+        left = "?" if eta is None else _hms(eta)
+        return f"{self.tokens:,} tokens, {rate:.0f} tok/s, elapsed {_hms(dt)}, ETA {left}"
+
+    def update(self, done: int, tokens: int) -> None:
+        """``done`` of ``total`` finished; ``tokens`` made in this run so far."""
+        self.done, self.tokens = done, tokens
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, info=self._figures())
+        elif time.perf_counter() - self.last >= self.every:
+            self._line()
+
+    def _line(self) -> None:
+        self.last = time.perf_counter()
+        self.printed = self.done
+        print(f"{self.label}: {self.done}/{self.total} {self.unit}, {self._figures()}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stop the bar; the final figures are printed once either way."""
+        if self.bar is not None:
+            self.bar.stop()
+        if self.printed != self.done:
+            self._line()
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _check_out_dir(out: Path, identity: dict) -> dict | None:
+    """The manifest of an earlier run into ``out`` made with the same inputs and
+    settings (to resume), or None for a fresh directory; anything else is refused."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise InputError(f"{out} exists and has no manifest.json, so it is not `draft-data` output; pass another --out")
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(old, dict):
+        raise InputError(f"{path}: not a draft-data manifest")
+    diffs = [f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in identity.items() if old.get(k) != v]
+    if diffs:
+        raise InputError(
+            f"{out} holds draft data made from other inputs or settings, so it cannot be resumed ("
+            + "; ".join(diffs) + f"). Pass another --out, or delete {out} to start over."
+        )
+    return old
 
 
 def cmd_draft_data(args) -> int:
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.engine import Engine, EngineConfig
     from eagle_jax.tokenizer import Tokenizer
-    from eagle_jax.train.data import extract_features, read_conversations, regenerate, write_conversations
+    from eagle_jax.train.data import id_key, read_answered, write_conversations, write_features
 
     if not 0 <= args.sampled_fraction <= 1:
         raise InputError(f"--sampled-fraction {args.sampled_fraction} must be in [0, 1]")
-    if args.eval_prompts < 0:
+    if args.eval_prompts is not None and args.eval_prompts < 0:
         raise InputError(f"--eval-prompts {args.eval_prompts} must be >= 0")
+    if args.max_new_tokens >= args.max_seq_len:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-seq-len {args.max_seq_len}")
+    if not args.progress_every > 0:
+        raise InputError(f"--progress-every {args.progress_every} must be > 0")
     model_dir = _model_dir(args)
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_dir(model_dir)
-    train_prompts, eval_prompts, source = _prompts(args, tok)
-    longest = max(len(p) for p in train_prompts + eval_prompts)
-    if longest >= args.max_seq_len:
-        raise InputError(f"a prompt has {longest} tokens; --max-seq-len {args.max_seq_len} leaves no room for a response")
-    target = load_model(model_dir)
-    engine = None
-    splits = {"train": ("conversations.jsonl", train_prompts), "eval": ("eval_conversations.jsonl", eval_prompts)}
-    manifest = {
-        "model": str(model_dir), "model_config_sha256": _fingerprint(model_dir), "prompts": source,
+    budget = args.max_seq_len - args.max_new_tokens
+    splits = _prompts(args, tok, budget)
+    # What the answers depend on: a run into an existing --out continues it only when
+    # all of these are equal (batch size and progress settings may change).
+    identity = {
+        "format": 2, "model_sha256": _model_sha256(model_dir),
+        "prompts": {name: sp.source for name, sp in splits.items()},
         "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len,
         "sampled_fraction": args.sampled_fraction, "temperature": args.temperature, "seed": args.seed,
+    }
+    resumed = _check_out_dir(out, identity) is not None
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_model(model_dir)
+    manifest = {
+        **identity, "status": "in progress",
+        "model": _display_path(model_dir), "model_config_sha256": _fingerprint(model_dir),
+        "prompt_files": {name: sp.file for name, sp in splits.items()},
+        "skipped": {name: sp.skipped for name, sp in splits.items()},
+        "batch_size": args.batch_size,
         "feature_layer_ids": list(target.config.feature_layer_ids), "hidden_size": target.config.hidden_size,
         "splits": {},
     }
-    for split, (name, prompts) in splits.items():
-        if not prompts:
-            continue
-        path = out / name
-        if args.reuse_conversations and path.is_file():
-            convs = read_conversations(path, target.config.vocab_size)
-            print(f"{split}: reusing {len(convs)} conversations from {path}", file=sys.stderr)
-        else:
-            if engine is None:
-                engine = Engine(
-                    target, None,
-                    EngineConfig(
-                        max_batch=args.batch_size, max_seq_len=args.max_seq_len, speculative=None,
-                        batch_buckets=tuple(sorted({min(16, args.batch_size), args.batch_size})),
-                        prompt_buckets=tuple(sorted({min(64, args.max_seq_len), args.max_seq_len})),
-                    ),
-                    tok, progress=sys.stderr.isatty(),
-                )
-
-            def progress(done, total, ntok, dt, split=split):
-                print(f"{split}: {done}/{total} answered, {ntok} tokens, {dt:.0f} s ({ntok / max(dt, 1e-9):.0f} tok/s)", file=sys.stderr)
-
-            convs = regenerate(
-                engine, prompts, max_new_tokens=min(args.max_new_tokens, args.max_seq_len - longest),
-                sampled_fraction=args.sampled_fraction, temperature=args.temperature,
-                seed=args.seed + (0 if split == "train" else 1), chunk=4 * args.batch_size, on_progress=progress,
-            )
-            write_conversations(path, convs)
-        t0 = time.perf_counter()
-
-        def feat_progress(done, total, dt, split=split):
-            if done == total or done % (8 * 16) == 0:
-                print(f"{split}: features of {done}/{total} sequences, {dt:.0f} s", file=sys.stderr)
-
-        feats = extract_features(target, convs, max_len=args.max_seq_len, on_progress=feat_progress)
-        feats.save(out / split)
-        n_resp = int(sum(int(n - p) for n, p in zip(feats.lengths, feats.prompt_lengths)))
-        manifest["splits"][split] = {"conversations": len(convs), "response_tokens": n_resp}
-        print(f"{split}: features of {len(convs)} sequences ({n_resp} response tokens) in {time.perf_counter() - t0:.0f} s -> {out / split}", file=sys.stderr)
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    _write_manifest(out, manifest)
+    for name, sp in splits.items():
+        if sp.skipped:
+            print(f"{name}: skipped {sum(sp.skipped.values())} prompts: "
+                  + ", ".join(f"{n} {why}" for why, n in sorted(sp.skipped.items())), file=sys.stderr)
+    files = {"train": "conversations.jsonl", "eval": "eval_conversations.jsonl"}
+    for name in [name for name, sp in splits.items() if not sp.requests]:
+        print(f"{name}: no usable prompts, so no {name}/", file=sys.stderr)
+        del splits[name]
+    answered, todo = {}, {}
+    for split, sp in splits.items():
+        path = out / files[split]
+        answered[split], torn = read_answered(path, target.config.vocab_size)
+        if torn:
+            print(f"{split}: dropped a line of {path} torn by an interrupted run", file=sys.stderr)
+        wanted = {id_key(rid) for rid, _ in sp.requests}
+        stray = [c.id for k, c in answered[split].items() if k not in wanted]
+        if stray:
+            raise InputError(f"{path} answers prompts that are not in this run's {split} prompts (e.g. id {stray[0]!r})")
+        todo[split] = [r for r in sp.requests if id_key(r[0]) not in answered[split]]
+        if resumed or answered[split]:
+            print(f"{split}: resuming, {len(answered[split])} of {len(sp.requests)} prompts already answered", file=sys.stderr)
+    _answer(args, target, tok, {split: out / files[split] for split in splits}, todo,
+            total=sum(len(sp.requests) for sp in splits.values()), done=sum(len(a) for a in answered.values()))
+    for split, sp in splits.items():
+        path = out / files[split]
+        answers, _ = read_answered(path, target.config.vocab_size)
+        # The file in prompt order (it was written in finishing order): the same bytes
+        # however often the run was interrupted.
+        convs = [answers[id_key(rid)] for rid, _ in sp.requests]
+        write_conversations(path, convs)
+        n_resp = sum(len(c.response_ids) for c in convs)
+        bar = _Progress(f"{split} features", len(convs), 0, "sequences", args.progress_every)
+        try:
+            write_features(target, convs, out / split, on_progress=lambda done, total, ntok: bar.update(done, ntok))
+        finally:
+            bar.close()
+        manifest["splits"][split] = {"prompts": len(sp.requests), "conversations": len(convs), "response_tokens": n_resp}
+        _write_manifest(out, manifest)
+    manifest["status"] = "complete"
+    _write_manifest(out, manifest)
     print(f"wrote {out}")
     return 0
+
+
+def _context_for(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """The engine context a prompt is answered in: its length rounded up to a power of
+    two (at least 128), plus the answer, capped at --max-seq-len.
+
+    The engine's KV cache is as long as its context for every row, and on a CPU a decode
+    step's time grows with that length (2-core CPU, SmolLM2-135M, batch 64: 1.69 CPU-s
+    per step at 1024, 0.98 at 512), so short prompts (most of them) are answered by an
+    engine with a short context. The group depends only on the prompt's length, so a
+    resumed run answers each prompt in the same engine shape as an uninterrupted one.
+    """
+    p = 128
+    while p < prompt_len:
+        p *= 2
+    return min(max_seq_len, p + max_new_tokens)
+
+
+def _answer(args, target, tok, paths: dict, todo: dict, *, total: int, done: int) -> None:
+    """Answer the ``todo`` requests of every split, appending each answer to its split's
+    file as it finishes; one engine per context group (``_context_for``), shortest first."""
+    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.train.data import ConversationWriter, id_key, regenerate
+
+    if not any(todo.values()):
+        return
+    split_of = {id_key(rid): split for split, reqs in todo.items() for rid, _ in reqs}
+    groups: dict[int, list] = {}
+    for split, reqs in todo.items():
+        for r in reqs:
+            groups.setdefault(_context_for(len(r[1]), args.max_new_tokens, args.max_seq_len), []).append(r)
+    bar = _Progress("answers", total, done, "prompts", args.progress_every)
+    writers = {split: ConversationWriter(paths[split]) for split, reqs in todo.items() if reqs}
+    tokens = 0
+    try:
+        for ctx in sorted(groups):
+            reqs = groups[ctx]
+            print(f"answers: {len(reqs)} prompts in a context of {ctx} tokens (building the engine)", file=sys.stderr, flush=True)
+            prompt_buckets = [64]
+            while prompt_buckets[-1] < ctx - args.max_new_tokens:
+                prompt_buckets.append(2 * prompt_buckets[-1])
+            engine = Engine(
+                target, None,
+                EngineConfig(
+                    max_batch=args.batch_size, max_seq_len=ctx, speculative=None,
+                    # Full batches but for the last few answers: two batch sizes are enough.
+                    batch_buckets=tuple(sorted({min(16, args.batch_size), args.batch_size})),
+                    prompt_buckets=tuple(sorted({min(b, ctx) for b in prompt_buckets} | {ctx})),
+                ),
+                tok, progress=sys.stderr.isatty(),
+            )
+            base_done, base_tokens = bar.done, tokens
+
+            def progress(n_done, n_total, n_tok):
+                nonlocal tokens
+                tokens = base_tokens + n_tok
+                bar.update(base_done + n_done, tokens)
+
+            regenerate(
+                engine, reqs, max_new_tokens=args.max_new_tokens, sampled_fraction=args.sampled_fraction,
+                temperature=args.temperature, seed=args.seed,
+                on_answer=lambda conv: writers[split_of[id_key(conv.id)]].add(conv), on_progress=progress,
+            )
+            del engine  # its caches before the next one's
+    finally:
+        for w in writers.values():
+            w.close()
+        bar.close()
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(out / "manifest.json")
 
 
 def cmd_train_draft(args) -> int:
@@ -195,6 +516,8 @@ def cmd_train_draft(args) -> int:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"{manifest_path}: not valid JSON ({e})") from e
+    if manifest.get("status", "complete") != "complete":
+        raise InputError(f"{args.data} is unfinished `draft-data` output: rerun that command to finish it")
     if manifest.get("model_config_sha256") != _fingerprint(model_dir):
         raise InputError(
             f"{args.data} was made with the target {manifest.get('model')!r} (config sha256 "
@@ -207,8 +530,10 @@ def cmd_train_draft(args) -> int:
         learning_rate=args.lr, warmup_steps=args.warmup_steps, batch_size=args.batch_size, seed=args.seed,
     )
     target = load_model(model_dir)
-    data = FeatureSet.load(args.data / "train", mmap=False)
-    eval_data = FeatureSet.load(args.data / "eval", mmap=False) if (args.data / "eval").is_dir() else None
+    # Memory-mapped: a batch reads its own rows, so memory does not grow with the data
+    # (padded to its longest sequence, a large set is far bigger than RAM).
+    data = FeatureSet.load(args.data / "train", mmap=True)
+    eval_data = FeatureSet.load(args.data / "eval", mmap=True) if (args.data / "eval").is_dir() else None
     for name, fs in (("train", data), ("eval", eval_data)):
         if fs is not None and fs.features.shape[-1] != len(target.config.feature_layer_ids) * target.config.hidden_size:
             raise InputError(f"{args.data / name} features have width {fs.features.shape[-1]}, not what {model_dir} yields")
@@ -241,9 +566,9 @@ def cmd_train_draft(args) -> int:
     load_draft(args.out, target=target)  # what was written loads and fits the target
     evals = [h for h in history if h["event"] == "eval"]
     summary = {
-        "target": str(model_dir), "target_config_sha256": _fingerprint(model_dir), "data": str(args.data),
+        "target": _display_path(model_dir), "target_config_sha256": _fingerprint(model_dir), "data": _display_path(args.data),
         "data_manifest": manifest, "train_config": dataclasses.asdict(cfg),
-        "init_draft": str(args.init_draft) if args.init_draft is not None else None,
+        "init_draft": _display_path(args.init_draft) if args.init_draft is not None else None,
         "train_sequences": len(data), "coverage": history[0]["coverage"],
         "final_eval": evals[-1] if evals else None, "train_seconds": time.perf_counter() - t0,
     }

@@ -4,29 +4,39 @@ features over each (prompt, response) sequence.
 Two stages, each with a file format a researcher can inspect or replace:
 
 1. ``regenerate`` -> ``conversations.jsonl``: one JSON object per line,
-   ``{"prompt_ids": [...], "response_ids": [...], "finish_reason": ..., "temperature": ...}``.
-   The target answers every prompt itself (EAGLE-3's recipe: the draft learns the target's
-   distribution, not a dataset's).
-2. ``extract_features`` -> a ``FeatureSet``: per sequence the tokens, a loss mask (True on
-   response tokens), the target's fused-layer features and its final normed hidden state
-   (from which training recomputes the target's distribution over the draft vocabulary),
-   and the target's argmax. Saved as ``.npy`` files (no pickle) by ``FeatureSet.save``.
+   ``{"prompt_ids": [...], "response_ids": [...], "finish_reason": ..., "temperature": ...,
+   "id": ...}``. The target answers every prompt itself (EAGLE-3's recipe: the draft learns
+   the target's distribution, not a dataset's). Answers stream to the file as they finish
+   (``ConversationWriter``), so a killed run keeps them: ``read_answered`` reads them back,
+   dropping a line torn by the kill, and a resumed run asks only for the missing ids.
+   Whether an answer is sampled, and its seed, come from its prompt's id
+   (``answer_params``), so a resumed run asks for the same answers an uninterrupted one
+   would.
+2. ``extract_features`` / ``write_features`` -> a ``FeatureSet``: per sequence the
+   tokens, the prompt length (the loss covers only the response: ``FeatureSet.loss_mask``),
+   the target's fused-layer features and its final normed hidden state (from which
+   training recomputes the target's distribution over the draft vocabulary), and the
+   target's argmax. Stored as ``.npy`` files (no pickle). ``write_features`` writes them
+   shard by shard into memory-mapped files, so memory does not grow with the data and a
+   killed run resumes at the first unfinished shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.errors import InputError
+from eagle_jax.errors import EagleJaxError, InputError
 from eagle_jax.model import BoundModules, KVCache, LlamaModel, causal_mask
 from eagle_jax.sampling import SamplingParams
 
@@ -39,9 +49,37 @@ class Conversation:
     response_ids: list[int]
     finish_reason: str = "stop"
     temperature: float = 0.0
+    id: str | int | None = None  # the prompt record's id (what a resumed run skips)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        d = dataclasses.asdict(self)
+        if d["id"] is None:
+            del d["id"]
+        return json.dumps(d)
+
+
+def _parse_conversation(line: str, where: str, vocab_size: int | None) -> Conversation:
+    try:
+        obj = json.loads(line)
+        rid = obj.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            raise TypeError(f"id {rid!r} is not a string or an integer")
+        conv = Conversation(
+            prompt_ids=[int(t) for t in obj["prompt_ids"]],
+            response_ids=[int(t) for t in obj["response_ids"]],
+            finish_reason=str(obj.get("finish_reason", "stop")),
+            temperature=float(obj.get("temperature", 0.0)),
+            id=rid,
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"{where}: not a conversation record ({e})") from e
+    if not conv.prompt_ids or not conv.response_ids:
+        raise InputError(f"{where}: empty prompt_ids or response_ids")
+    if vocab_size is not None:
+        bad = [t for t in conv.prompt_ids + conv.response_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InputError(f"{where}: token id {bad[0]} outside [0, {vocab_size})")
+    return conv
 
 
 def read_conversations(path: Path, vocab_size: int | None = None) -> list[Conversation]:
@@ -50,79 +88,177 @@ def read_conversations(path: Path, vocab_size: int | None = None) -> list[Conver
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                conv = Conversation(
-                    prompt_ids=[int(t) for t in obj["prompt_ids"]],
-                    response_ids=[int(t) for t in obj["response_ids"]],
-                    finish_reason=str(obj.get("finish_reason", "stop")),
-                    temperature=float(obj.get("temperature", 0.0)),
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"{path}:{n}: not a conversation record ({e})") from e
-            if not conv.prompt_ids or not conv.response_ids:
-                raise InputError(f"{path}:{n}: empty prompt_ids or response_ids")
-            if vocab_size is not None:
-                bad = [t for t in conv.prompt_ids + conv.response_ids if not 0 <= t < vocab_size]
-                if bad:
-                    raise InputError(f"{path}:{n}: token id {bad[0]} outside [0, {vocab_size})")
-            out.append(conv)
+            if line.strip():
+                out.append(_parse_conversation(line, f"{path}:{n}", vocab_size))
     if not out:
         raise InputError(f"{path}: no conversations")
     return out
 
 
+def id_key(rid) -> tuple[str, Any]:
+    # 1 and "1" are different ids, as they are in JSON.
+    return (type(rid).__name__, rid)
+
+
+def read_answered(path: Path, vocab_size: int | None = None) -> tuple[dict[tuple[str, Any], Conversation], bool]:
+    """The answers a (possibly killed) run has written to ``path``, by id key
+    (``id_key``), and whether a torn last line was dropped.
+
+    Every record is written as one line ending in a newline, so a last line without one
+    was cut off by the kill: it is dropped and the file truncated to the line before it,
+    so appending resumes on a clean line. Any other unreadable line is an error naming
+    it, as is a record without an id (not written by a resumable run) or a repeated id.
+    """
+    if not path.is_file():
+        return {}, False
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    torn = end < len(data)
+    if torn:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    out: dict[tuple[str, Any], Conversation] = {}
+    for n, raw in enumerate(data[:end].split(b"\n")[:-1], 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}:{n}: not valid UTF-8 ({e})") from e
+        if not line.strip():
+            continue
+        conv = _parse_conversation(line, f"{path}:{n}", vocab_size)
+        if conv.id is None:
+            raise InputError(f"{path}:{n}: record has no id, so it cannot be matched to a prompt to resume")
+        if id_key(conv.id) in out:
+            raise InputError(f"{path}:{n}: id {conv.id!r} answered twice")
+        out[id_key(conv.id)] = conv
+    return out, torn
+
+
 def write_conversations(path: Path, convs: Iterable[Conversation]) -> None:
+    """Write ``convs`` to ``path`` whole: a temporary file, synced, then renamed over it,
+    so a kill leaves either the old file or the new one."""
     tmp = Path(str(path) + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for c in convs:
             f.write(c.to_json() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
+
+
+class ConversationWriter:
+    """Appends answers to ``conversations.jsonl`` as they finish.
+
+    Each record is one ``write`` of a whole line followed by a flush, so a killed
+    process loses no finished answer (the OS has it); ``fsync`` runs every
+    ``fsync_every_s`` seconds and on close, bounding what a power loss could take.
+    """
+
+    def __init__(self, path: Path, *, fsync_every_s: float = 10.0):
+        self._f = open(path, "a", encoding="utf-8")
+        self._every = fsync_every_s
+        self._last_sync = time.monotonic()
+
+    def add(self, conv: Conversation) -> None:
+        if conv.id is None:
+            raise ValueError("a streamed conversation needs the id of its prompt record")
+        self._f.write(conv.to_json() + "\n")
+        self._f.flush()
+        if time.monotonic() - self._last_sync >= self._every:
+            os.fsync(self._f.fileno())
+            self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self) -> "ConversationWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def answer_params(
+    rid, *, seed: int, sampled_fraction: float, temperature: float, max_new_tokens: int
+) -> SamplingParams:
+    """How the target answers the prompt with id ``rid``: sampled at ``temperature``
+    for a ``sampled_fraction`` of ids, greedy for the rest.
+
+    Both the choice and the sampling seed are hashed from (``seed``, the id), never from
+    the prompt's position in this run, so a resumed run (which asks only for the missing
+    ids) gives each prompt the answer an uninterrupted run would have."""
+    digest = hashlib.sha256(json.dumps([seed, rid]).encode()).digest()
+    u = int.from_bytes(digest[:8], "little") / 2**64
+    if u < sampled_fraction:
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=int.from_bytes(digest[8:12], "little"))
+    return SamplingParams(max_new_tokens=max_new_tokens)
 
 
 def regenerate(
     engine,
-    prompts: Sequence,
+    requests: Sequence[tuple[Any, list[int]]],
     *,
     max_new_tokens: int,
     sampled_fraction: float = 0.25,
     temperature: float = 0.7,
     seed: int = 0,
-    chunk: int = 256,
-    on_progress=None,
+    on_answer: Callable[[Conversation], None] | None = None,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ) -> list[Conversation]:
-    """Have the target (a plain ``Engine``) answer every prompt.
+    """Have the target (a plain ``Engine``) answer every ``(id, prompt_ids)`` request;
+    returns the answers in request order.
 
-    A ``sampled_fraction`` of the prompts (chosen deterministically) are answered at
-    ``temperature`` with per-prompt seeds, the rest greedily: greedy answers are what
-    greedy speculation must predict, sampled ones add variety.
+    Requests are fed to the engine's continuous batching a few at a time (its slots stay
+    full while the queue stays short), and each answer is handed to ``on_answer`` as soon
+    as it finishes, in finishing order (e.g. a ``ConversationWriter``).
+    ``on_progress(done, total, new_tokens)`` follows each engine step that finished some.
+    See ``answer_params`` for which answers are sampled.
     """
-    rng = np.random.default_rng(seed)
-    sampled = rng.random(len(prompts)) < sampled_fraction
     params = [
-        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + i)
-        if s else SamplingParams(max_new_tokens=max_new_tokens)
-        for i, s in enumerate(sampled)
+        answer_params(rid, seed=seed, sampled_fraction=sampled_fraction, temperature=temperature, max_new_tokens=max_new_tokens)
+        for rid, _ in requests
     ]
-    out: list[Conversation] = []
-    t0 = time.perf_counter()
-    n_tok = 0
-    for lo in range(0, len(prompts), chunk):
-        comps = engine.generate(list(prompts[lo:lo + chunk]), params[lo:lo + chunk])
-        for c, p in zip(comps, params[lo:lo + chunk]):
-            if c.token_ids:
-                out.append(Conversation(list(c.prompt_token_ids), list(c.token_ids), c.finish_reason, p.temperature))
-            n_tok += len(c.token_ids)
-        if on_progress is not None:
-            on_progress(len(out), len(prompts), n_tok, time.perf_counter() - t0)
-    return out
+    # The queue holds one batch more than the slots: a freed slot is refilled at the next
+    # step, and the host never encodes far ahead of what the device can take.
+    ahead = 2 * engine.config.max_batch
+    out: list[Conversation | None] = [None] * len(requests)
+    nxt = done = n_tok = idle = 0
+    while done < len(requests):
+        while nxt < len(requests) and nxt - done < ahead:
+            engine.add_request(list(requests[nxt][1]), params[nxt], request_id=nxt)
+            nxt += 1
+        engine.step()
+        finished = engine.pop_finished()
+        # A finished request leaves its slot at the next step, so an idle step or two can
+        # pass before it is handed back; more means a request was lost.
+        idle = idle + 1 if not finished and nxt == len(requests) and not engine.has_unfinished() else 0
+        if idle > 2:
+            raise EagleJaxError(f"the engine went idle with {len(requests) - done} requests unanswered")
+        for c in finished:
+            k = c.id
+            if not c.token_ids:
+                raise EagleJaxError(f"request {requests[k][0]!r} ended with no tokens ({c.finish_reason})")
+            conv = Conversation(list(c.prompt_token_ids), list(c.token_ids), c.finish_reason, params[k].temperature, requests[k][0])
+            out[k] = conv
+            n_tok += len(conv.response_ids)
+            done += 1
+            if on_answer is not None:
+                on_answer(conv)
+        if finished and on_progress is not None:
+            on_progress(done, len(requests), n_tok)
+    return out  # type: ignore[return-value]  (every slot is filled: done == len(requests))
 
 
 # ----------------------------------------------------------------------------- features
 
 FEATURE_FILES = ("tokens", "lengths", "prompt_lengths", "features", "target_hidden", "target_argmax")
+# Written by ``write_features`` beside the arrays: how far it got, and for what input.
+PROGRESS_FILE = "progress.json"
 
 
 @dataclasses.dataclass
@@ -133,6 +269,7 @@ class FeatureSet:
     features [N, L, F] float16 (the target's fused-layer features, F = 3 * Ht);
     target_hidden [N, L, Ht] float16 (final normed hidden; ``@ lm_head`` gives the target's
     logits); target_argmax [N, L] int32 (the target's greedy next token at each position).
+    Positions at or past a row's length are padding (zero in sets ``write_features`` made).
     """
 
     tokens: np.ndarray
@@ -145,6 +282,16 @@ class FeatureSet:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def loss_mask(self) -> np.ndarray:
+        """[N, L] bool, True exactly on response tokens: ``prompt_length <= j < length``.
+
+        These are the positions whose tokens training predicts (``ttt_loss`` counts a label
+        at position j only in that range). Everything before the response, the system
+        prompt, earlier turns (earlier assistant replies included) and the generation
+        prompt, is context only."""
+        j = np.arange(self.tokens.shape[1])
+        return (j >= np.asarray(self.prompt_lengths)[:, None]) & (j < np.asarray(self.lengths)[:, None])
+
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -153,11 +300,19 @@ class FeatureSet:
 
     @classmethod
     def load(cls, path: str | Path, *, mmap: bool = True) -> "FeatureSet":
-        """Read a saved set (never unpickling); shapes are checked against each other."""
+        """Read a saved set (never unpickling); shapes are checked against each other.
+        A set ``write_features`` has not finished is refused (its later rows are zeros)."""
         path = Path(path)
         missing = [n for n in FEATURE_FILES if not (path / f"{n}.npy").is_file()]
         if missing:
             raise InputError(f"{path} is not a feature set: missing {', '.join(m + '.npy' for m in missing)}")
+        if (path / PROGRESS_FILE).is_file():
+            state = _read_progress(path / PROGRESS_FILE)
+            if state.get("complete") is not True:
+                raise InputError(
+                    f"{path} is unfinished ({state.get('shards_done')} of {state.get('shards')} shards written): "
+                    f"rerun `eagle-jax draft-data` with the same arguments to finish it"
+                )
         arrs = {n: np.load(path / f"{n}.npy", mmap_mode="r" if mmap else None, allow_pickle=False) for n in FEATURE_FILES}
         fs = cls(**arrs)
         fs.check()
@@ -194,6 +349,51 @@ def _forward_fn(target: LlamaModel):
     return lambda tokens: run(bound.params, tokens)
 
 
+def _batches(run, tokens: np.ndarray, lengths: np.ndarray, rows: Sequence[int], batch_size: int):
+    """Run the target (``run = _forward_fn(target)``, made once per set so its compiled
+    graphs are reused) over the sequences ``rows`` of ``tokens``; yields (rows of the
+    batch, hidden, features, argmax) as host arrays, batch rows first.
+
+    Rows are sorted by length and each batch runs at its longest length rounded up to a
+    multiple of 64 (one compiled graph per such width), not at the padded width of the
+    whole set: a short sequence costs what its own length costs. Causal attention makes
+    a position's outputs independent of the padding after it. Features and hidden states
+    must fit float16 at every real position: a value that would become inf raises.
+    """
+    f16_max = float(np.finfo(np.float16).max)
+    order = sorted(rows, key=lambda i: int(lengths[i]))
+    for lo in range(0, len(order), batch_size):
+        idx = order[lo:lo + batch_size]
+        width = min(tokens.shape[1], -(-int(lengths[idx].max()) // 64) * 64)
+        chunk = np.zeros((batch_size, width), np.int32)
+        chunk[: len(idx)] = tokens[idx, :width]
+        h, f, a = (np.asarray(x)[: len(idx)] for x in run(jnp.asarray(chunk)))
+        real = np.arange(width)[None, :] < lengths[idx][:, None]
+        for name, x in (("features", f), ("target_hidden", h)):
+            v = x[real]
+            if not np.isfinite(v).all() or np.abs(v).max() >= f16_max:
+                raise InputError(f"target {name} of sequences {sorted(idx)} do not fit float16")
+        yield idx, h, f, a
+
+
+def _layout(target: LlamaModel, convs: Sequence[Conversation], max_len: int | None):
+    if target.config.feature_layer_ids is None:
+        raise InputError("the target has no feature layers configured")
+    seqs = [c.prompt_ids + c.response_ids for c in convs]
+    if max_len is None:
+        max_len = max(len(s) for s in seqs)
+    seqs = [s[:max_len] for s in seqs]
+    plens = np.array([len(c.prompt_ids) for c in convs], np.int32)
+    lengths = np.array([len(s) for s in seqs], np.int32)
+    if (plens >= lengths).any():
+        i = int(np.argmax(plens >= lengths))
+        raise InputError(f"conversation {i}: prompt of {plens[i]} tokens leaves no response within max_len={max_len}")
+    tokens = np.zeros((len(convs), max_len), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    return tokens, lengths, plens
+
+
 def extract_features(
     target: LlamaModel,
     convs: Sequence[Conversation],
@@ -202,42 +402,145 @@ def extract_features(
     batch_size: int = 8,
     on_progress=None,
 ) -> FeatureSet:
-    """Run the target over every (prompt + response) sequence, truncated to ``max_len``.
+    """Run the target over every (prompt + response) sequence, truncated to ``max_len``;
+    the set is built in memory (``write_features`` streams a large one to disk).
 
     Features and hidden states are stored as float16; a value outside float16's range
     raises instead of silently becoming inf.
     """
-    if target.config.feature_layer_ids is None:
-        raise InputError("the target has no feature layers configured")
+    tokens, lengths, plens = _layout(target, convs, max_len)
     n = len(convs)
-    seqs = [(c.prompt_ids + c.response_ids)[:max_len] for c in convs]
-    plens = np.array([len(c.prompt_ids) for c in convs], np.int32)
-    lengths = np.array([len(s) for s in seqs], np.int32)
-    if (plens >= lengths).any():
-        i = int(np.argmax(plens >= lengths))
-        raise InputError(f"conversation {i}: prompt of {plens[i]} tokens leaves no response within max_len={max_len}")
-    tokens = np.zeros((n, max_len), np.int32)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = s
     h_dim = target.config.hidden_size
     f_dim = len(target.config.feature_layer_ids) * h_dim
     feats = np.zeros((n, max_len, f_dim), np.float16)
     hid = np.zeros((n, max_len, h_dim), np.float16)
     amax = np.zeros((n, max_len), np.int32)
-    run = _forward_fn(target)
-    f16_max = float(np.finfo(np.float16).max)
     t0 = time.perf_counter()
-    for lo in range(0, n, batch_size):
-        chunk = tokens[lo:lo + batch_size]
-        pad = batch_size - chunk.shape[0]
-        h, f, a = run(jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
-        h, f, a = (np.asarray(x)[: batch_size - pad] for x in (h, f, a))
-        for name, x in (("features", f), ("target_hidden", h)):
-            if not np.isfinite(x).all() or np.abs(x).max() >= f16_max:
-                raise InputError(f"target {name} of sequences {lo}..{lo + len(chunk) - 1} do not fit float16")
-        feats[lo:lo + len(chunk)] = f
-        hid[lo:lo + len(chunk)] = h
-        amax[lo:lo + len(chunk)] = a
+    done = 0
+    for idx, h, f, a in _batches(_forward_fn(target), tokens, lengths, range(n), batch_size):
+        w = h.shape[1]
+        feats[idx, :w], hid[idx, :w], amax[idx, :w] = f, h, a
+        done += len(idx)
         if on_progress is not None:
-            on_progress(min(lo + batch_size, n), n, time.perf_counter() - t0)
+            on_progress(done, n, time.perf_counter() - t0)
     return FeatureSet(tokens, lengths, plens, feats, hid, amax)
+
+
+def _read_progress(path: Path) -> dict:
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(state, dict):
+        raise InputError(f"{path}: not a progress record")
+    return state
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def conversations_sha256(convs: Sequence[Conversation]) -> str:
+    """Digest of the token sequences (in order): what a feature set was computed from."""
+    h = hashlib.sha256()
+    for c in convs:
+        h.update(json.dumps([c.prompt_ids, c.response_ids]).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def write_features(
+    target: LlamaModel,
+    convs: Sequence[Conversation],
+    path: str | Path,
+    *,
+    batch_size: int = 8,
+    shard_size: int = 256,
+    on_progress: Callable[[int, int, int], None] | None = None,
+) -> FeatureSet:
+    """``extract_features`` for a set of any size: streamed to ``path``, resumable.
+
+    The arrays are ``.npy`` files created at their full size ([N, L, ...], L the longest
+    sequence) and memory-mapped; sequences are computed ``shard_size`` rows at a time and
+    written in place, so memory holds one batch, not the set. Only a row's real positions
+    are written: the padding after them is never touched, so on file systems with sparse
+    files (ext4, xfs, ...) the disk used follows the real tokens, not N * L.
+
+    After each shard the maps are flushed and ``progress.json`` records the shards done
+    and what they were computed from (the conversations' digest, the sizes). Called
+    again on the same input, it continues at the first unfinished shard; on other input
+    it starts over. ``FeatureSet.load`` refuses the set until the last shard is done.
+    ``on_progress(rows_done, rows, response_tokens_done)`` follows each shard.
+    Returns the finished set, memory-mapped.
+    """
+    path = Path(path)
+    tokens, lengths, plens = _layout(target, convs, None)
+    n, width = tokens.shape
+    h_dim = target.config.hidden_size
+    f_dim = len(target.config.feature_layer_ids) * h_dim
+    shapes = {
+        "tokens": ((n, width), np.int32), "lengths": ((n,), np.int32), "prompt_lengths": ((n,), np.int32),
+        "features": ((n, width, f_dim), np.float16), "target_hidden": ((n, width, h_dim), np.float16),
+        "target_argmax": ((n, width), np.int32),
+    }
+    n_shards = -(-n // shard_size)
+    spec = {
+        "rows": n, "width": width, "feature_width": f_dim, "hidden_size": h_dim, "shard_size": shard_size,
+        "conversations_sha256": conversations_sha256(convs),
+    }
+    progress = path / PROGRESS_FILE
+    path.mkdir(parents=True, exist_ok=True)
+    state = _read_progress(progress) if progress.is_file() else None
+    arrays: dict[str, np.memmap] = {}
+    if state is not None and state.get("spec") == spec:
+        for name, (shape, dtype) in shapes.items():
+            f = path / f"{name}.npy"
+            if not f.is_file():
+                break
+            a = np.lib.format.open_memmap(f, mode="r+")
+            if a.shape != shape or a.dtype != dtype:
+                break
+            arrays[name] = a
+    if len(arrays) == len(shapes):
+        start = int(state["shards_done"])
+        if start < n_shards:
+            log.info("%s: resuming features at shard %d of %d", path, start + 1, n_shards)
+    else:
+        if state is not None:
+            log.warning("%s: features were made from other conversations or sizes; starting them over", path)
+        # No progress record while the files are being recreated: a kill here leaves a
+        # directory that is started over, never one that looks partly done.
+        progress.unlink(missing_ok=True)
+        arrays = {
+            name: np.lib.format.open_memmap(path / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+            for name, (shape, dtype) in shapes.items()
+        }
+        arrays["tokens"][:] = tokens
+        arrays["lengths"][:] = lengths
+        arrays["prompt_lengths"][:] = plens
+        for a in arrays.values():
+            a.flush()
+        start = 0
+        _write_json_atomic(progress, {"spec": spec, "shards": n_shards, "shards_done": 0, "complete": n_shards == 0})
+    resp = lengths - plens
+    run = _forward_fn(target)
+    for k in range(start, n_shards):
+        rows = range(k * shard_size, min(n, (k + 1) * shard_size))
+        for idx, h, f, a in _batches(run, tokens, lengths, rows, batch_size):
+            for j, i in enumerate(idx):
+                m = int(lengths[i])
+                arrays["features"][i, :m] = f[j, :m]
+                arrays["target_hidden"][i, :m] = h[j, :m]
+                arrays["target_argmax"][i, :m] = a[j, :m]
+        for name in ("features", "target_hidden", "target_argmax"):
+            arrays[name].flush()
+        _write_json_atomic(progress, {"spec": spec, "shards": n_shards, "shards_done": k + 1, "complete": k + 1 == n_shards})
+        if on_progress is not None:
+            on_progress(rows.stop, n, int(resp[: rows.stop].sum()))
+    del arrays  # unmap before reading back
+    return FeatureSet.load(path)

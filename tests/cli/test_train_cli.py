@@ -23,7 +23,8 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tiny_dir, tmp_path_factory):
+def draft_data_run(tiny_dir, tmp_path_factory):
+    """(data directory, stderr) of one `draft-data` run."""
     rng = np.random.default_rng(0)
     prompts = tmp_path_factory.mktemp("p") / "prompts.jsonl"
     prompts.write_text("".join(
@@ -31,19 +32,30 @@ def data_dir(tiny_dir, tmp_path_factory):
     ))
     out = tmp_path_factory.mktemp("data")
     r = run("draft-data", "--model", tiny_dir, "--out", out, "--prompt-file", prompts, "--eval-prompts", "4",
-            "--max-new-tokens", "24", "--max-seq-len", "48", "--batch-size", "8")
+            "--max-new-tokens", "24", "--max-seq-len", "48", "--batch-size", "8", "--progress-every", "0.01")
     assert r.returncode == 0, r.stderr
-    return out
+    return out, r.stderr
 
 
-def test_draft_data_writes_conversations_features_and_manifest(data_dir):
+@pytest.fixture(scope="module")
+def data_dir(draft_data_run):
+    return draft_data_run[0]
+
+
+def test_draft_data_writes_conversations_features_and_manifest(draft_data_run):
+    data_dir, err = draft_data_run
     manifest = json.loads((data_dir / "manifest.json").read_text())
     assert manifest["splits"]["train"]["conversations"] == 20
     assert manifest["splits"]["eval"]["conversations"] == 4
     assert len((data_dir / "conversations.jsonl").read_text().splitlines()) == 20
     tokens = np.load(data_dir / "train" / "tokens.npy")
-    assert tokens.shape == (20, 48)
-    assert np.load(data_dir / "train" / "features.npy").shape == (20, 48, 3 * 64)
+    # Padded to the longest sequence, not to --max-seq-len.
+    lengths = np.load(data_dir / "train" / "lengths.npy")
+    assert tokens.shape == (20, lengths.max()) and lengths.max() <= 48
+    assert np.load(data_dir / "train" / "features.npy").shape == (20, lengths.max(), 3 * 64)
+    # stderr is not a terminal here: plain progress lines with counts, rate and ETA.
+    assert "answers: 24/24 prompts," in err and "tok/s" in err and "ETA 0:00:00" in err
+    assert "train features: 20/20 sequences" in err
 
 
 def test_train_draft_then_generate_with_it(tiny_dir, data_dir, tmp_path):
@@ -54,6 +66,8 @@ def test_train_draft_then_generate_with_it(tiny_dir, data_dir, tmp_path):
     assert "eval at step" in r.stderr
     summary = json.loads((out / "training.json").read_text())
     assert summary["train_config"]["ttt_length"] == 2 and summary["final_eval"]["acc"]
+    # Outside the working directory, only directory names are recorded, never a machine's paths.
+    assert (summary["target"], summary["data"], summary["data_manifest"]["model"]) == (tiny_dir.name, data_dir.name, tiny_dir.name)
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert {rec["event"] for rec in log} >= {"vocab", "train", "eval"}
     cfg = json.loads((out / "config.json").read_text())
@@ -76,7 +90,7 @@ def test_train_draft_then_generate_with_it(tiny_dir, data_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((more / "config.json").read_text())["draft_vocab_size"] == 150
     assert json.loads((more / "epoch-1" / "config.json").read_text())["torch_dtype"] == "float16"
-    assert json.loads((more / "training.json").read_text())["init_draft"] == str(out)
+    assert json.loads((more / "training.json").read_text())["init_draft"] == out.name
 
     # Existing output directory, and data made for another target, are refused.
     r = run("train-draft", "--model", tiny_dir, "--data", data_dir, "--out", out)

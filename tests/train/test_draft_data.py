@@ -1,0 +1,335 @@
+"""`draft-data` on real-style prompt files: multi-turn records (token layout, loss mask),
+bad and unusable records, resuming a killed run (in process and by SIGKILL), refusing to
+resume with other inputs, and the streamed, resumable feature files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.cli import build_parser
+from eagle_jax.errors import InputError
+from eagle_jax.train import data as data_mod
+from eagle_jax.train.commands import _context_for
+from eagle_jax.train.data import (
+    Conversation,
+    FeatureSet,
+    answer_params,
+    extract_features,
+    read_answered,
+    read_conversations,
+    write_features,
+)
+from eagle_jax.train.ttt import ttt_loss
+from hf_factories import make_hf_model, write_word_tokenizer
+
+# Word i is token i. The template marks roles with their own words (w6 system, w3 user,
+# w4 assistant, w5 end of turn), so a test can write the expected ids by hand.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}w6{% elif m['role'] == 'user' %}w3{% else %}w4{% endif %}"
+    " {{ m['content'] }} w5 {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+)
+MULTI_TURN = {"id": "mt-1", "messages": [
+    {"role": "user", "content": "w10 w11"},
+    {"role": "assistant", "content": "w20 w21 w22"},
+    {"role": "user", "content": "w30"},
+]}
+# The template over all three turns plus the generation prompt, written out by hand.
+MULTI_TURN_IDS = [3, 10, 11, 5, 4, 20, 21, 22, 5, 3, 30, 5, 4]
+# Prompts of up to 128 tokens are answered in a context of 128 + 16, longer ones in one
+# of 160 (two engines); prompts may have 160 - 16 = 144 tokens.
+SETTINGS = ["--max-new-tokens", "16", "--max-seq-len", "160", "--batch-size", "2", "--sampled-fraction", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    hf = make_hf_model("llama3", seed=3)
+    with torch.no_grad():  # a peaky head: answers that do not hinge on rounding
+        hf.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("tiny_chat_target")
+    hf.save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, hf.config.vocab_size)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+def _words(rng, lo=3, hi=9):
+    return " ".join(f"w{t}" for t in rng.integers(10, 200, int(rng.integers(lo, hi))))
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    """A training file (single-turn, one multi-turn, one long prompt, four unusable
+    records) and a held-out file."""
+    rng = np.random.default_rng(0)
+    recs = [{"id": f"s-{i}", "messages": [{"role": "user", "content": _words(rng)}]} for i in range(40)]
+    recs.insert(5, MULTI_TURN)
+    recs.insert(9, {"id": "bad-last", "messages": [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w20"}]})
+    recs.insert(12, {"id": "bad-role", "messages": [{"role": "tool", "content": "w10"}, {"role": "user", "content": "w11"}]})
+    recs.insert(15, {"id": "bad-empty", "messages": [{"role": "user", "content": "  "}]})
+    # 142 + 3 template tokens: over the 144 tokens a prompt may have; 133 + 3 fit.
+    recs.insert(20, {"id": "too-long", "messages": [{"role": "user", "content": " ".join(["w12"] * 142)}]})
+    recs.insert(25, {"id": "long", "messages": [{"role": "user", "content": _words(rng, 133, 134)}]})
+    held = [{"id": f"h-{i}", "messages": [{"role": "user", "content": _words(rng)}]} for i in range(3)]
+    d = tmp_path_factory.mktemp("prompts")
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
+    return d / "train.jsonl", d / "held.jsonl"
+
+
+def draft_data(*argv):
+    args = build_parser().parse_args(["draft-data", *map(str, argv)])
+    return args.func(args)
+
+
+def _argv(tiny_dir, prompt_files, out, *extra):
+    train, held = prompt_files
+    return ["--model", tiny_dir, "--out", out, "--prompt-file", train, "--eval-prompt-file", held, *SETTINGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, prompt_files, tmp_path_factory):
+    """An uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference")
+    assert draft_data(*_argv(tiny_dir, prompt_files, out)) == 0
+    return out
+
+
+def test_multi_turn_layout_and_loss_mask(tiny_dir, reference):
+    convs = read_conversations(reference / "conversations.jsonl")
+    ids = [c.id for c in convs]
+    # Usable records only, in file order; each answered once.
+    assert ids[:6] == ["s-0", "s-1", "s-2", "s-3", "s-4", "mt-1"] and len(ids) == len(set(ids)) == 42
+    assert len(convs[ids.index("long")].prompt_ids) == 136
+    row = ids.index("mt-1")
+    conv = convs[row]
+    assert conv.prompt_ids == MULTI_TURN_IDS and conv.response_ids
+
+    fs = FeatureSet.load(reference / "train")
+    mask = fs.loss_mask()
+    n_prompt, n = len(MULTI_TURN_IDS), len(MULTI_TURN_IDS) + len(conv.response_ids)
+    assert fs.prompt_lengths[row] == n_prompt and fs.lengths[row] == n
+    assert fs.tokens[row, :n].tolist() == MULTI_TURN_IDS + conv.response_ids
+    # True exactly on the new answer: the first user turn, the original assistant reply
+    # (positions 4..8) and the generation prompt are context.
+    assert np.flatnonzero(mask[row]).tolist() == list(range(n_prompt, n))
+    assert fs.tokens[row][mask[row]].tolist() == conv.response_ids
+    assert not mask[row, 4:9].any()
+    for i, c in enumerate(convs):
+        assert fs.tokens[i][mask[i]].tolist() == c.response_ids
+
+    # The trainer's loss counts the same positions: with every token in the draft
+    # vocabulary, step 0 predicts each masked position once (labels start at position 2,
+    # and every prompt here is longer than that).
+    target = load_model(tiny_dir)
+    draft = random_draft(target.config, seed=1, draft_vocab_size=target.config.vocab_size)
+    batch = {k: jnp.asarray(np.asarray(getattr(fs, k))) for k in ("tokens", "lengths", "prompt_lengths", "features", "target_hidden", "target_argmax")}
+    head = jnp.zeros((target.config.hidden_size, target.config.vocab_size))
+    _, aux = ttt_loss(draft, head, batch, ttt_length=1, step_decay=1.0)
+    assert int(aux["count"][0]) == int(mask.sum())
+
+
+def test_unusable_records_are_counted(reference):
+    manifest = json.loads((reference / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["skipped"]["train"] == {
+        "last turn not from the user": 1, "unknown role": 1, "empty content": 1, "prompt over 144 tokens": 1,
+    }
+    assert manifest["splits"]["train"]["conversations"] == 42 and manifest["splits"]["eval"]["conversations"] == 3
+    assert [c.id for c in read_conversations(reference / "eval_conversations.jsonl")] == ["h-0", "h-1", "h-2"]
+    assert manifest["prompt_files"] == {"train": "train.jsonl", "eval": "held.jsonl"}
+    assert not os.path.isabs(manifest["model"])
+
+
+def test_context_groups():
+    # Most chat prompts are short: they get an engine whose cache fits them, not the longest.
+    assert [_context_for(n, 256, 1024) for n in (5, 128, 129, 256, 300, 768)] == [384, 384, 512, 512, 768, 1024]
+    assert _context_for(10, 16, 48) == 48
+
+
+def test_sampled_answers_follow_the_id():
+    a = answer_params("x-1", seed=0, sampled_fraction=0.5, temperature=0.7, max_new_tokens=8)
+    assert a == answer_params("x-1", seed=0, sampled_fraction=0.5, temperature=0.7, max_new_tokens=8)
+    kinds = [answer_params(f"x-{i}", seed=0, sampled_fraction=0.5, temperature=0.7, max_new_tokens=8) for i in range(200)]
+    assert 60 < sum(not k.greedy for k in kinds) < 140
+    assert len({k.seed for k in kinds if not k.greedy}) == sum(not k.greedy for k in kinds)
+    assert all(k.greedy for k in (answer_params(f"x-{i}", seed=0, sampled_fraction=0.0, temperature=0.7, max_new_tokens=8) for i in range(50)))
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_after_interruption_equals_uninterrupted(tiny_dir, prompt_files, reference, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    real_add = data_mod.ConversationWriter.add
+    calls = []
+
+    def dying_add(self, conv):
+        if len(calls) == 7:
+            raise _Killed()
+        calls.append(conv.id)
+        real_add(self, conv)
+
+    monkeypatch.setattr(data_mod.ConversationWriter, "add", dying_add)
+    with pytest.raises(_Killed):
+        draft_data(*_argv(tiny_dir, prompt_files, out))
+    monkeypatch.undo()
+    path = out / "conversations.jsonl"
+    assert len(path.read_text().splitlines()) == 7
+    assert json.loads((out / "manifest.json").read_text())["status"] == "in progress"
+    # A kill in the middle of the next write leaves a torn line.
+    whole = json.dumps({"prompt_ids": [3, 4], "response_ids": [5, 6], "id": "s-39"})
+    with open(path, "a") as f:
+        f.write(whole[:20])
+
+    train = build_parser().parse_args(["train-draft", "--model", str(tiny_dir), "--data", str(out), "--out", str(tmp_path / "d")])
+    with pytest.raises(InputError, match="unfinished `draft-data` output"):
+        train.func(train)
+
+    capsys.readouterr()
+    assert draft_data(*_argv(tiny_dir, prompt_files, out)) == 0
+    err = capsys.readouterr().err
+    assert "torn by an interrupted run" in err and "7 of 42 prompts already answered" in err
+    assert "37 prompts in a context of 144 tokens" in err and "1 prompts in a context of 160 tokens" in err, err
+    # Same ids, same tokens, in the same order, nothing twice.
+    assert path.read_bytes() == (reference / "conversations.jsonl").read_bytes()
+    assert (out / "eval_conversations.jsonl").read_bytes() == (reference / "eval_conversations.jsonl").read_bytes()
+    a, b = FeatureSet.load(out / "train"), FeatureSet.load(reference / "train")
+    for name in data_mod.FEATURE_FILES:
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+
+
+def test_sigkilled_run_resumes(tiny_dir, prompt_files, reference, tmp_path):
+    """A real kill: the process is SIGKILLed once it has written some answers (while it
+    answers the rest, or while it computes features: both must resume)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "eagle_jax.cli", "draft-data", *map(str, _argv(tiny_dir, prompt_files, out))]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    path = out / "conversations.jsonl"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.is_file() and path.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, f"draft-data ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "already answered" in r.stderr
+    assert path.read_bytes() == (reference / "conversations.jsonl").read_bytes()
+    a, b = FeatureSet.load(out / "train"), FeatureSet.load(reference / "train")
+    for name in data_mod.FEATURE_FILES:
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+
+
+def test_bad_lines_are_named(tiny_dir, tmp_path):
+    def attempt(text, held=None):
+        f = tmp_path / "p.jsonl"
+        f.write_text(text)
+        extra = []
+        if held is not None:
+            (tmp_path / "h.jsonl").write_text(held)
+            extra = ["--eval-prompt-file", tmp_path / "h.jsonl"]
+        return draft_data("--model", tiny_dir, "--out", tmp_path / "out", "--prompt-file", f, *extra, *SETTINGS)
+
+    good = json.dumps({"id": "a", "messages": [{"role": "user", "content": "w10"}]}) + "\n"
+    with pytest.raises(InputError, match=r"p\.jsonl:3: not valid JSON"):
+        attempt(good + "\n" + '{"id": "b", "messages": [\n')
+    with pytest.raises(InputError, match=r"p\.jsonl:2: messages\[0\] must be an object with string 'role' and 'content'"):
+        attempt(good + json.dumps({"id": "b", "messages": [{"role": "user", "content": 5}]}) + "\n")
+    with pytest.raises(InputError, match=r"p\.jsonl:3: id 'a' repeats the id of line 1"):
+        attempt(good + good.replace('"a"', '"b"') + good)
+    with pytest.raises(InputError, match=r"h\.jsonl:1: id 'a' is also in .*p\.jsonl:1"):
+        attempt(good, held=good)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_other_settings_is_refused(tiny_dir, prompt_files, reference, tmp_path):
+    before = (reference / "manifest.json").read_text()
+    with pytest.raises(InputError, match=r"other inputs or settings.*seed: 0 there, 1 now.*delete"):
+        draft_data(*_argv(tiny_dir, prompt_files, reference, "--seed", "1"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(prompt_files[0].read_text().replace("w10", "w13", 1))
+    with pytest.raises(InputError, match=r"other inputs or settings.*prompts"):
+        draft_data(*_argv(tiny_dir, (other, prompt_files[1]), reference))
+    assert (reference / "manifest.json").read_text() == before
+    (tmp_path / "stuff").mkdir()
+    (tmp_path / "stuff" / "notes.txt").write_text("x")
+    with pytest.raises(InputError, match="no manifest.json"):
+        draft_data(*_argv(tiny_dir, prompt_files, tmp_path / "stuff"))
+
+
+def test_write_features_resumes_at_the_first_unfinished_shard(tiny_dir, tmp_path):
+    target = load_model(tiny_dir)
+    rng = np.random.default_rng(5)
+    convs = [Conversation(rng.integers(3, 200, int(rng.integers(2, 12))).tolist(), rng.integers(3, 200, int(rng.integers(1, 30))).tolist())
+             for _ in range(22)]
+    kw = dict(batch_size=4, shard_size=5)
+    whole = write_features(target, convs, tmp_path / "whole", **kw)
+
+    progress = []
+
+    def dying(done, total, ntok):
+        progress.append(done)
+        if len(progress) == 2:
+            raise _Killed()
+
+    with pytest.raises(_Killed):
+        write_features(target, convs, tmp_path / "f", on_progress=dying, **kw)
+    with pytest.raises(InputError, match=r"unfinished \(2 of 5 shards"):
+        FeatureSet.load(tmp_path / "f")
+    progress.clear()
+    fs = write_features(target, convs, tmp_path / "f", on_progress=lambda d, t, n: progress.append(d), **kw)
+    assert progress == [15, 20, 22]  # shards 1 and 2 were not computed again
+    assert isinstance(fs.features, np.memmap)
+    for name in data_mod.FEATURE_FILES:
+        np.testing.assert_array_equal(np.asarray(getattr(fs, name)), np.asarray(getattr(whole, name)), err_msg=name)
+
+    # The same as the in-memory path at every real position; padding is never written.
+    mem = extract_features(target, convs, max_len=fs.tokens.shape[1], batch_size=4)
+    real = np.arange(fs.tokens.shape[1])[None, :] < np.asarray(fs.lengths)[:, None]
+    np.testing.assert_array_equal(np.asarray(fs.tokens), mem.tokens)
+    np.testing.assert_array_equal(np.asarray(fs.target_argmax)[real], mem.target_argmax[real])
+    np.testing.assert_allclose(np.asarray(fs.features, np.float32)[real], mem.features[real].astype(np.float32), rtol=1e-2, atol=1e-2)
+    assert not np.asarray(fs.features)[~real].any() and not np.asarray(fs.target_hidden)[~real].any()
+
+    # Other conversations into the same directory: started over, not mixed.
+    progress.clear()
+    fs2 = write_features(target, convs[:7], tmp_path / "f", on_progress=lambda d, t, n: progress.append(d), **kw)
+    assert progress == [5, 7] and len(fs2) == 7
+
+
+def test_read_answered_drops_only_a_torn_last_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    line = Conversation([1, 2], [3], id="a").to_json() + "\n"
+    path.write_text(line + line.replace('"a"', '"b"') + '{"prompt_ids": [1')
+    got, torn = read_answered(path, vocab_size=10)
+    assert torn and sorted(k[1] for k in got) == ["a", "b"]
+    assert path.read_text() == line + line.replace('"a"', '"b"')
+    path.write_text('{"prompt_ids": [1\n' + line)
+    with pytest.raises(InputError, match=r"c\.jsonl:1: not a conversation record"):
+        read_answered(path)
+    path.write_text(line + line)
+    with pytest.raises(InputError, match=r"c\.jsonl:2: id 'a' answered twice"):
+        read_answered(path)
+    path.write_text(Conversation([1], [2]).to_json() + "\n")
+    with pytest.raises(InputError, match=r"c\.jsonl:1: record has no id"):
+        read_answered(path)
