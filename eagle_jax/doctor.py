@@ -35,7 +35,6 @@ REQUIRED_PACKAGES = (
     ("jax", "jax"),
     ("jaxlib", "jaxlib"),
     ("flax", "flax"),
-    ("orbax-checkpoint", "orbax.checkpoint"),
     ("jaxtyping", "jaxtyping"),
     ("numpy", "numpy"),
     ("safetensors", "safetensors"),
