@@ -22,6 +22,8 @@ from eagle_jax.defaults import (  # noqa: F401  (re-exported for scripts written
     default_model_dir,
     enable_compilation_cache,
     positive_int,
+    pow2_at_least as _pow2_at_least,
+    prompt_buckets_for,
 )
 
 _positive_int = positive_int
@@ -88,22 +90,6 @@ def _load_records(args):
         msgs.append({"role": "user", "content": args.prompt})
         return [PromptRecord(0, messages=tuple(msgs))]
     return [PromptRecord(0, prompt=args.prompt)]
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to the one that holds ``longest`` (capped at
-    ``max_seq_len``): each prompt is prefilled at its own bucket, so a short prompt in a
-    file of long documents costs what it costs alone."""
-    top = min(_pow2_at_least(longest), max_seq_len)
-    out, v = [], min(smallest, top)
-    while v < top:
-        out.append(v)
-        v *= 2
-    return tuple(out) + (top,)
 
 
 def _phase_figures(summary: dict) -> str:

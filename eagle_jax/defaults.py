@@ -49,3 +49,19 @@ def enable_compilation_cache() -> None:
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to the one that holds ``longest`` (capped at
+    ``max_seq_len``): each prompt is prefilled at its own bucket, so a short prompt in a
+    file of long documents costs what it costs alone."""
+    top = min(pow2_at_least(longest), max_seq_len)
+    out, v = [], min(smallest, top)
+    while v < top:
+        out.append(v)
+        v *= 2
+    return tuple(out) + (top,)

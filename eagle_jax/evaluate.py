@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagle_jax.defaults import default_model_dir, enable_compilation_cache, positive_int
+from eagle_jax.defaults import default_model_dir, enable_compilation_cache, positive_int, pow2_at_least, prompt_buckets_for
 from eagle_jax.errors import InputError
 from eagle_jax.prompts import PromptRecord, iter_prompt_file
 
@@ -260,44 +260,14 @@ def environment(dtype: str) -> dict[str, Any]:
     }
 
 
-_compiles = 0
-_listening = False
-
-
-def _on_jax_event(event: str, duration: float, **_: Any) -> None:
-    global _compiles
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compiles += 1
-
-
-def _listen_for_compiles() -> None:
-    """Count backend compilations from here on (once per process), to show none is timed."""
-    global _listening
-    import jax
-
-    if not _listening:
-        jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
-        _listening = True
-
-
 # ----------------------------------------------------------------------------- the run
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def context_sizes(longest: int, max_new_tokens: int, context: int) -> tuple[int, tuple[int, ...]]:
     """(max_seq_len, prompt_buckets) for the longest prompt: powers of two from
-    ``MIN_PROMPT_BUCKET`` up to the one that holds it, then max_seq_len."""
-    max_seq_len = min(context, _pow2_at_least(longest + max_new_tokens))
-    buckets, b = [], min(MIN_PROMPT_BUCKET, max_seq_len)
-    while b < max_seq_len:
-        buckets.append(b)
-        if b >= longest:
-            break
-        b *= 2
-    return max_seq_len, tuple(buckets) + (max_seq_len,)
+    ``MIN_PROMPT_BUCKET`` up to the one that holds it (the CLI's rule)."""
+    max_seq_len = min(context, pow2_at_least(longest + max_new_tokens))
+    return max_seq_len, prompt_buckets_for(longest, max_seq_len, MIN_PROMPT_BUCKET)
 
 
 class SwitchedPolicy:
@@ -345,7 +315,7 @@ def run_eval(
     """
     import jax.numpy as jnp
 
-    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.engine import Engine, EngineConfig, compile_count
     from eagle_jax.sampling import SamplingParams
 
     prompts = {s.name: [encode(tokenizer, r) for r in s.records] for s in suites}
@@ -381,8 +351,7 @@ def run_eval(
         for c in engine_for(cfg).generate(first, SamplingParams(max_new_tokens=min(WARMUP_TOKENS, max_new_tokens))):
             seen += c.accept_lengths
 
-    _listen_for_compiles()
-    compiles_before = _compiles
+    compiles_before = compile_count()
     results = {}
     for suite in suites:
         ps = prompts[suite.name]
@@ -452,7 +421,7 @@ def run_eval(
         "max_seq_len": max_seq_len,
         "prompt_buckets": list(buckets),
         "dtype": jnp.dtype(target.dtype).name,
-        "compiles_during_timing": _compiles - compiles_before,
+        "compiles_during_timing": compile_count() - compiles_before,
         "suites": results,
         "engine_totals": {
             "note": "every speculative step of the run (all suites and shapes, warm-up included), from EngineMetrics",

@@ -59,6 +59,7 @@ class _Wrapper:
         self.tokenizer = tokenizer
         self.buckets = buckets
         self.max_seq_len = max_seq_len or limit
+        self.eos_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else target.config.eos_token_ids
         self._engines: dict[tuple, Engine] = {}
 
     def _config(self, prompts: list[list[int]], params: list[SamplingParams], speculative) -> EngineConfig:
@@ -68,9 +69,9 @@ class _Wrapper:
         cache = Buckets.pick(self.buckets.cache, min(need, self.max_seq_len), "sequence length")
         p_len = min((v for v in self.buckets.prompt if v >= longest), default=cache)
         cache = max(cache, Buckets.pick(self.buckets.cache, p_len, "prompt length"))
-        prompt_buckets = (p_len, cache) if p_len < cache else (cache,)
-        # Greedy-only calls compile greedy steps only (half the graphs).
-        return EngineConfig(max_batch=b, max_seq_len=cache, batch_buckets=(b,), prompt_buckets=prompt_buckets,
+        # Only the shapes this call needs: one prompt bucket (it holds every prompt), one
+        # batch bucket, and greedy steps only for greedy-only calls.
+        return EngineConfig(max_batch=b, max_seq_len=cache, batch_buckets=(b,), prompt_buckets=(p_len,),
                             speculative=speculative, dtype=None, sampled_steps=not all(sp.greedy for sp in params))
 
     def _engine(self, key, make) -> Engine:

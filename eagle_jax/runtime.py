@@ -74,7 +74,7 @@ def default_prefill_batches(batch_buckets: Sequence[int], prompt_bucket: int, to
     return tuple(sorted({1} | {n for n in batch_buckets if n * prompt_bucket <= token_budget}))
 
 
-def _pow2_at_most(values: Sequence[int], n: int) -> int:
+def _largest_at_most(values: Sequence[int], n: int) -> int:
     return max(v for v in values if v <= n)
 
 
@@ -362,7 +362,7 @@ class StepTable:
     def prefill_batch(self, prompt_len: int, n_requests: int) -> int:
         """The prefill batch size used for ``n_requests`` of prompt bucket ``prompt_len``
         admitted together (the largest compiled one that does not exceed it)."""
-        return _pow2_at_most(self.prefill_batches[prompt_len], n_requests)
+        return _largest_at_most(self.prefill_batches[prompt_len], n_requests)
 
     def prefill(self, tokens, lengths, samp: SamplingArrays, hook_data=None):
         """Prefill ``tokens [n, p]`` (right-padded) into a fresh ``n``-row state:

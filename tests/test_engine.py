@@ -303,7 +303,7 @@ def test_speculation_without_draft_is_rejected(target):
         (dict(max_seq_len=1), "max_seq_len"),
         (dict(max_batch=4, batch_buckets=(1, 2)), "batch_buckets"),
         (dict(batch_buckets=(2, 1, 8)), "batch_buckets"),
-        (dict(max_seq_len=64, prompt_buckets=(16, 32)), "prompt_buckets"),
+        (dict(max_seq_len=64, prompt_buckets=(16, 128)), "prompt_buckets"),  # past max_seq_len
         (dict(spec_disable_batch_threshold=-1), "spec_disable_batch_threshold"),
         (dict(speculative=None, spec_disable_batch_threshold=2), "spec_disable_batch_threshold"),
         (dict(long_prompt="drop"), "long_prompt"),

@@ -136,7 +136,7 @@ def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, dr
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     ref = Generator(target, buckets=Buckets(batch=(4,), prompt=(16,), cache=(64,))).generate(prompts, _greedy(30))
     policy = _Cycle()
-    eng = Engine(target, draft, EngineConfig(max_batch=4, max_seq_len=64, prompt_buckets=(16,), speculative=SPEC),
+    eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=4, max_seq_len=64, prompt_buckets=(16,), speculative=SPEC),
                  policy=policy, progress=False)
     out = eng.generate(prompts, _greedy(30))
     assert [c.token_ids for c in out] == [r.token_ids for r in ref]
@@ -152,7 +152,7 @@ def test_a_policy_choosing_an_unlisted_shape_is_a_clear_error(target, draft):
         def choose(self, bucket):
             return SpeculativeConfig(num_steps=2)
 
-    eng = Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=SPEC),
+    eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=SPEC),
                  policy=Liar(), progress=False)
     eng.add_request([5, 6], _greedy(4))
     with pytest.raises(ConfigError, match="chose 'chain S=2', which it did not list"):
@@ -192,14 +192,14 @@ def test_aligned_cache_is_lossless(target, draft):
     """The GPU sizing (cache rounded up to 64 slots) changes nothing in the output."""
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     ref = Generator(target, buckets=Buckets(batch=(2,), prompt=(16,), cache=(64,))).generate(prompts, _greedy(20))
-    eng = Engine(target, draft, EngineConfig(max_batch=2, max_seq_len=64, prompt_buckets=(16,), speculative=TREE,
+    eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=2, max_seq_len=64, prompt_buckets=(16,), speculative=TREE,
                                              cache_align=64), progress=False)
     assert eng._table.target_cache_len == 128
     assert [c.token_ids for c in eng.generate(prompts, _greedy(20))] == [r.token_ids for r in ref]
 
 
 def test_requests_admitted_together_share_one_prefill(target, draft, monkeypatch):
-    eng = Engine(target, draft, EngineConfig(max_batch=4, max_seq_len=64, prompt_buckets=(16, 64), speculative=SPEC),
+    eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=4, max_seq_len=64, prompt_buckets=(16, 64), speculative=SPEC),
                  progress=False)
     assert eng._table.prefill_batches[16] == (1, 2, 4) and eng._table.prefill_batches[64] == (1, 2, 4)
     calls = []
@@ -215,11 +215,11 @@ def test_requests_admitted_together_share_one_prefill(target, draft, monkeypatch
 
 
 def test_prompt_longer_than_the_largest_bucket_is_refused_or_truncated(target):
-    cfg = EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None)
+    cfg = EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None)
     eng = Engine(target, None, cfg, progress=False)
     with pytest.raises(InputError, match="the largest prompt bucket is 16"):
         eng.add_request(list(range(3, 23)), _greedy(4))
-    eng = Engine(target, None, EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None,
+    eng = Engine(target, None, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None,
                                             long_prompt="truncate"), progress=False)
     [c] = eng.generate([list(range(3, 23))], [_greedy(4)])
     assert c.truncated_prompt and c.prompt_token_ids == list(range(7, 23))
@@ -231,7 +231,7 @@ def test_prompt_longer_than_the_largest_bucket_is_refused_or_truncated(target):
 def test_request_timing_separates_queueing_from_decoding(target):
     """Batch 1, three requests at once: the later ones queue, so their tokens/s counted
     from arrival falls, while the decode rate (after the first token) does not."""
-    eng = Engine(target, None, EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None), progress=False)
+    eng = Engine(target, None, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None), progress=False)
     out = eng.generate([[5, 6, 7]] * 3, _greedy(40))
     q = [c.queue_s for c in out]
     assert q[0] < q[1] < q[2]
@@ -281,7 +281,7 @@ def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
     """Through the engine: Engine.stream yields the flushed tail too."""
     import eagle_jax.requests as requests_mod
 
-    eng = Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=None),
+    eng = Engine(target, None, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=None),
                  tokenizer=_ByteTokenizer(), progress=False)
     flushed = []
     real = requests_mod.RequestProgress._finish
