@@ -228,13 +228,13 @@ def prefix_attention(
     s = jnp.where(mask.block[:, None, None, :, :], s, -jnp.inf)
     m = s.max(-1)  # [B, KV, G, T]
     p = jnp.exp(s - m[..., None])
-    l = p.sum(-1)
+    denom = p.sum(-1)
     acc = jnp.einsum("bkgtj,bjkd->bkgtd", p.astype(v_cache.dtype), v_new.astype(v_cache.dtype), preferred_element_type=jnp.float32)
     blk = min(block, s_len)
     prefix = mask.prefix_len
 
     def body(i, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         lo = i * blk
         start = jnp.minimum(lo, s_len - blk)  # the last block may overlap the one before
         kb = jax.lax.dynamic_slice_in_dim(k_cache, start, blk, axis=1)
@@ -246,15 +246,15 @@ def prefix_attention(
         m_new = jnp.maximum(m, sb.max(-1))
         corr = jnp.exp(m - m_new)
         pb = jnp.exp(sb - m_new[..., None])
-        l = l * corr + pb.sum(-1)
+        denom = denom * corr + pb.sum(-1)
         acc = acc * corr[..., None] + jnp.einsum(
             "bkgts,bskd->bkgtd", pb.astype(vb.dtype), vb, preferred_element_type=jnp.float32
         )
-        return m_new, l, acc
+        return m_new, denom, acc
 
     n_blocks = (jnp.max(prefix) + blk - 1) // blk
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
-    out = (acc / l[..., None]).astype(q.dtype)  # [B, KV, G, T, D]
+    m, denom, acc = jax.lax.fori_loop(0, n_blocks, body, (m, denom, acc))
+    out = (acc / denom[..., None]).astype(q.dtype)  # [B, KV, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
 
 
