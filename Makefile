@@ -72,6 +72,11 @@ bench: install-test model
 	$(VPY) scripts/bench_draft.py --draft $(DRAFT_DIR) --configs "chain S=2" "chain S=3" "tree S=3 k=4 T=8"
 	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS)
 	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS) --batches 1 4 --time-phases
+	$(VPY) scripts/bench_mixed_prompts.py
+
+# The working tree against an earlier commit, interleaved on this machine: make compare OLD=e7c740f
+compare: install-test model
+	scripts/compare_commits.sh $(OLD)
 
 clean-model:
 	rm -rf $(MODEL_DIR)
