@@ -14,7 +14,7 @@ PYTHON312 := $(shell \
   else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3 2>/dev/null | head -1; \
   fi)
 
-.PHONY: venv install install-test gguf model demo test test-fast bench clean-model
+.PHONY: venv install install-test gguf model demo test test-fast bench compare clean-model
 
 $(VPY):
 	@if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12+ found (install python3.12, or pyenv install 3.12)"; exit 1; fi
