@@ -44,6 +44,7 @@ from eagle_jax.sampling import SamplingArrays
 from eagle_jax.spec_config import SpeculativeConfig
 from eagle_jax.speculative import (
     SpecState,
+    Tree,
     TreeHook,
     draft_phase_impl,
     plain_step_impl,
@@ -225,7 +226,7 @@ class StepTable:
                         state = dataclasses.replace(state, hook_data=hook_data)
                     return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False)
 
-                st, sh = self._structs(n)
+                _, sh = self._structs(n)
                 hd = self._int_struct(n, self.hook_width) if self.hook_width else None
                 args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n), hd)
                 in_sh = (rep, bsh(2), bsh(1), self._samp_shardings(), None if hd is None else bsh(2))
@@ -305,8 +306,6 @@ class StepTable:
         return SamplingArrays(b(1), b(1), b(1), b(2))
 
     def _tree_struct(self, b: int, shape: SpeculativeConfig):
-        from eagle_jax.speculative import Tree
-
         s = self._int_struct(b, shape.num_draft_tokens)
         return Tree(tokens=s, parents=s, depths=s)
 
@@ -396,19 +395,6 @@ class StepTable:
 
     def verify_phase(self, state: SpecState, tree, samp: SamplingArrays, shape: SpeculativeConfig, greedy: bool):
         return self._get(("verify", state.seq_lens.shape[0], shape, greedy))(self.params, state, tree, samp)
-
-    def has(self, key: tuple) -> bool:
-        return key in self._graphs
-
-    def memory_bytes(self) -> int | None:
-        """Device memory of the compiled graphs' code and temporaries (None if unknown)."""
-        total = 0
-        for g in self._graphs.values():
-            m = g.memory_analysis()
-            if m is None:  # the backend does not report
-                return None
-            total += int(getattr(m, "temp_size_in_bytes", 0)) + int(getattr(m, "generated_code_size_in_bytes", 0))
-        return total
 
     def device_put_rows(self, x: np.ndarray):
         return jax.device_put(x, self._batch_sharding(x.ndim))

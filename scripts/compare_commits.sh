@@ -34,6 +34,8 @@ for which in new old; do
   run $which scripts/bench_engine.py --model "$model" --draft "$draft" --steps 3 --topk 4 --draft-tokens 8 \
     --threshold 1 --batches 1 4 16 --new-tokens 32 --repeats 3 --out "$out/engine_$which.json" | tail -4
 done
+# The old scripts record the paths they were given: keep results free of machine paths.
+sed -i "s#\"$root/#\"#g" "$out"/*.json
 "$py" - "$out" "$rounds" <<'PY' | tee "$out/summary.txt"
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])

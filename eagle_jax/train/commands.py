@@ -330,12 +330,9 @@ def _check_out_dir(out: Path, identity: dict) -> dict | None:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise InputError(f"{out} exists and has no manifest.json, so it is not `draft-data` output; pass another --out")
         return None
-    try:
-        old = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(old, dict):
-        raise InputError(f"{path}: not a draft-data manifest")
+    from eagle_jax.train.data import read_json_object
+
+    old = read_json_object(path, "a draft-data manifest")
     diffs = [f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in identity.items() if old.get(k) != v]
     if diffs:
         raise InputError(

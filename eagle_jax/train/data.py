@@ -426,14 +426,19 @@ def extract_features(
     return FeatureSet(tokens, lengths, plens, feats, hid, amax)
 
 
-def _read_progress(path: Path) -> dict:
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in ``path`` (a manifest or progress record); errors name the file."""
     try:
-        state = json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(state, dict):
-        raise InputError(f"{path}: not a progress record")
-    return state
+    if not isinstance(obj, dict):
+        raise InputError(f"{path}: not {what}")
+    return obj
+
+
+def _read_progress(path: Path) -> dict:
+    return read_json_object(path, "a progress record")
 
 
 def _write_json_atomic(path: Path, obj) -> None:
