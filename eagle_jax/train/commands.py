@@ -52,6 +52,10 @@ Bad input is handled in two ways:
       system/user/assistant, empty content), or whose prompt is longer than
       MAX_SEQ_LEN - MAX_NEW_TOKENS tokens.
 
+Growing: --train-prompts N answers the first N usable training prompts; a later run
+into the same --out with a larger N keeps every answer made and asks only for the new
+ones (the features are then recomputed). A smaller N than the answers on file is refused.
+
 Resuming: answers are appended to the conversations files as they finish, and features
 are written shard by shard. Run the same command again with the same --out to continue
 a killed run: prompts already answered are not asked again (a line torn by the kill is
@@ -82,6 +86,9 @@ def add_parsers(sub) -> None:
     d.add_argument("--eval-prompts", type=int, default=None, metavar="N",
                    help="held-out prompts: N built-in ones on unseen topics (default 64), or the last N of --prompt-file "
                         "(default 64), or the first N of --eval-prompt-file (default all); 0: no eval/")
+    d.add_argument("--train-prompts", type=_positive_int, default=None, metavar="N",
+                   help="answer only the first N usable training prompts (a shuffled prompt file makes them a fair "
+                        "sample); a later run into the same --out may raise N to grow the data (default: all)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
     d.add_argument("--max-seq-len", type=_positive_int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"context of prompt + answer (default {DEFAULT_MAX_SEQ_LEN}); prompts longer than "
@@ -211,6 +218,8 @@ def _prompts(args, tok, budget: int) -> dict[str, _Split]:
     if args.prompt_file is None:
         if args.eval_prompt_file is not None:
             raise InputError("--eval-prompt-file needs --prompt-file")
+        if args.train_prompts is not None:
+            raise InputError("--train-prompts needs --prompt-file (use --synthetic N for built-in prompts)")
         n, n_eval = args.synthetic or 1024, 64 if args.eval_prompts is None else args.eval_prompts
         splits = {}
         for split, count in (("train", n), ("eval", n_eval)):
@@ -255,6 +264,10 @@ def _prompts(args, tok, budget: int) -> dict[str, _Split]:
         if recs:
             requests, skipped = _encode_records(recs, path, tok, budget)
             splits[split] = _Split(requests, skipped, source, path.name)
+    if args.train_prompts is not None and "train" in splits:
+        # The first N in file order, so N prompts of a shuffled file are a fair sample of
+        # it and a larger N later extends the set instead of replacing it.
+        splits["train"].requests = splits["train"].requests[: args.train_prompts]
     return _check_train(splits, str(args.prompt_file))
 
 
@@ -376,7 +389,7 @@ def cmd_draft_data(args) -> int:
         "model": _display_path(model_dir), "model_config_sha256": _fingerprint(model_dir),
         "prompt_files": {name: sp.file for name, sp in splits.items()},
         "skipped": {name: sp.skipped for name, sp in splits.items()},
-        "batch_size": args.batch_size,
+        "batch_size": args.batch_size, "train_prompts": args.train_prompts,
         "feature_layer_ids": list(target.config.feature_layer_ids), "hidden_size": target.config.hidden_size,
         "splits": {},
     }
@@ -398,7 +411,8 @@ def cmd_draft_data(args) -> int:
         wanted = {id_key(rid) for rid, _ in sp.requests}
         stray = [c.id for k, c in answered[split].items() if k not in wanted]
         if stray:
-            raise InputError(f"{path} answers prompts that are not in this run's {split} prompts (e.g. id {stray[0]!r})")
+            hint = f" (an earlier run used a larger --train-prompts than {args.train_prompts}?)" if args.train_prompts else ""
+            raise InputError(f"{path} answers prompts that are not in this run's {split} prompts (e.g. id {stray[0]!r}){hint}")
         todo[split] = [r for r in sp.requests if id_key(r[0]) not in answered[split]]
         if resumed or answered[split]:
             print(f"{split}: resuming, {len(answered[split])} of {len(sp.requests)} prompts already answered", file=sys.stderr)

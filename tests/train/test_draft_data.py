@@ -240,6 +240,29 @@ def test_sigkilled_run_resumes(tiny_dir, prompt_files, reference, tmp_path):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
 
 
+def test_growing_train_prompts_keeps_answers_and_equals_a_full_run(tiny_dir, prompt_files, reference, tmp_path, capsys):
+    """--train-prompts N answers the first N; a larger N later asks only for the new
+    prompts and ends equal to a run over all of them; a smaller N is refused."""
+    out = tmp_path / "out"
+    assert draft_data(*_argv(tiny_dir, prompt_files, out, "--train-prompts", "10")) == 0
+    first = (out / "conversations.jsonl").read_text().splitlines()
+    ref = (reference / "conversations.jsonl").read_text().splitlines()
+    assert first == ref[:10]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["train_prompts"] == 10 and manifest["splits"]["train"]["conversations"] == 10
+    capsys.readouterr()
+    assert draft_data(*_argv(tiny_dir, prompt_files, out, "--train-prompts", "1000")) == 0
+    assert "10 of 42 prompts already answered" in capsys.readouterr().err
+    assert (out / "conversations.jsonl").read_bytes() == (reference / "conversations.jsonl").read_bytes()
+    a, b = FeatureSet.load(out / "train"), FeatureSet.load(reference / "train")
+    for name in data_mod.FEATURE_FILES:
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+    with pytest.raises(InputError, match=r"not in this run's train prompts.*larger --train-prompts than 5"):
+        draft_data(*_argv(tiny_dir, prompt_files, out, "--train-prompts", "5"))
+    with pytest.raises(InputError, match="--train-prompts needs --prompt-file"):
+        draft_data("--model", tiny_dir, "--out", tmp_path / "syn", "--synthetic", "4", "--train-prompts", "2", *SETTINGS)
+
+
 def test_bad_lines_are_named(tiny_dir, tmp_path):
     def attempt(text, held=None):
         f = tmp_path / "p.jsonl"
