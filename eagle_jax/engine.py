@@ -54,7 +54,10 @@ import numpy as np
 
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.policy import PlainPolicy, SpeculationPolicy, ThresholdPolicy, policy_shapes
+from eagle_jax.policy import (
+    DEFAULT_AUTO_SHAPES, AutoPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
+    policy_shapes,
+)
 from eagle_jax.requests import RequestProgress, check_prompt
 from eagle_jax.runtime import StepTable
 from eagle_jax.sampling import SamplingParams
@@ -116,6 +119,14 @@ class EngineConfig:
         the engine is given another ``policy``).
       spec_hysteresis_steps: consecutive steps at or below the threshold before
         speculation comes back on.
+      spec_policy: "threshold" (``speculative`` with ``spec_disable_batch_threshold``;
+        always on without a threshold) or "auto" (``AutoPolicy``: times every candidate
+        step per batch bucket at start-up and runs the one predicted fastest, plain
+        included; its acceptance prior comes from the draft's model card when the draft
+        is given as a directory).
+      spec_shapes: the candidates of the "auto" policy (default
+        ``policy.DEFAULT_AUTO_SHAPES``, with ``speculative``'s sampling settings).
+      spec_calibration_s: the "auto" policy's start-up timing budget in seconds.
       detect_nan: check every step's logits; a non-finite row raises ``NonFiniteError``.
       long_prompt: "error" (reject prompts that leave no room) or "truncate" (keep the
         prompt's last tokens, and say so in the completion).
@@ -141,6 +152,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = SpeculativeConfig(num_steps=5)
     spec_disable_batch_threshold: int | None = None
     spec_hysteresis_steps: int = 4
+    spec_policy: str = "threshold"
+    spec_shapes: tuple[SpeculativeConfig, ...] | None = None
+    spec_calibration_s: float = 20.0
     detect_nan: bool = False
     long_prompt: str = "error"
     kernel_impl: str = "auto"
@@ -181,6 +195,22 @@ class EngineConfig:
             raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
         if t is not None and self.speculative is None:
             raise ConfigError("spec_disable_batch_threshold is set but speculative is None (nothing to switch off)")
+        if self.spec_policy not in ("threshold", "auto"):
+            raise ConfigError(f"spec_policy={self.spec_policy!r}; valid: threshold, auto")
+        if self.spec_policy == "auto":
+            if self.speculative is None:
+                raise ConfigError("spec_policy='auto' needs speculative (its sampling settings; None means no draft)")
+            if t is not None:
+                raise ConfigError("spec_disable_batch_threshold goes with spec_policy='threshold' (auto measures instead)")
+        if self.spec_shapes is not None:
+            if self.spec_policy != "auto":
+                raise ConfigError("spec_shapes are the candidates of spec_policy='auto'")
+            shapes = tuple(self.spec_shapes)
+            object.__setattr__(self, "spec_shapes", shapes)
+            if not shapes or not all(isinstance(x, SpeculativeConfig) for x in shapes):
+                raise ConfigError(f"spec_shapes={shapes!r} must be a non-empty tuple of SpeculativeConfig")
+        if not (isinstance(self.spec_calibration_s, (int, float)) and self.spec_calibration_s > 0):
+            raise ConfigError(f"spec_calibration_s={self.spec_calibration_s!r} must be > 0")
         if self.long_prompt not in ("error", "truncate"):
             raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
         if self.kernel_impl not in ("auto", "kernel", "reference"):
@@ -323,6 +353,12 @@ class EngineMetrics:
     spec_rows: int = 0  # row-steps with speculation (the denominator per depth)
     # (batch bucket, shape name) -> steps run; says which shape ran in each bucket.
     steps_by_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # Steps timed in steady state (see Engine._dispatch) per (bucket, shape name): count,
+    # seconds and tokens, and the policy's latest prediction for a full bucket.
+    timed_steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    timed_step_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    timed_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    predicted_tokens_per_second: dict = dataclasses.field(default_factory=dict)
     tokens: int = 0
     host_s: float = 0.0  # Python work of the host loop
     device_wait_s: float = 0.0  # blocked reading results
@@ -344,6 +380,19 @@ class EngineMetrics:
             "plain_steps": self.plain_steps,
             "mode_switches": self.mode_switches,
             "steps_by_bucket": {f"{b}: {name}": c for (b, name), c in sorted(self.steps_by_bucket.items())},
+            # Tokens/s of the timed steady-state steps (live rows only) and, where the
+            # policy predicts, its prediction for a full bucket.
+            "measured_tokens_per_second_by_bucket": {
+                f"{b}: {name}": round(self.timed_tokens[(b, name)] / s, 2)
+                for (b, name), s in sorted(self.timed_step_s.items()) if s > 0
+            },
+            "step_ms_by_bucket": {
+                f"{b}: {name}": round(1000 * s / self.timed_steps[(b, name)], 3)
+                for (b, name), s in sorted(self.timed_step_s.items()) if self.timed_steps[(b, name)]
+            },
+            "predicted_tokens_per_second_by_bucket": {
+                f"{b}: {name}": round(v, 2) for (b, name), v in sorted(self.predicted_tokens_per_second.items())
+            },
             "mean_accept_length": (sum(k * v for k, v in hist.items()) / n) if n else 0.0,
             "accept_length_histogram": hist,
             "acceptance_rate_by_depth": (
@@ -634,6 +683,7 @@ class Engine:
     def _resize(self, new_b: int) -> None:
         """Gather the live rows into a state of ``new_b`` rows (a bucket change)."""
         live = [i for i, r in enumerate(self._slots) if r is not None]
+        self._other_work = True
         rows = live + [0] * (new_b - len(live))  # padding rows copy row 0; they are free slots
         self._state = self._launch(self._table.gather, self._state, self._table.device_put_rows(np.asarray(rows[:new_b], np.int32)))
         self._slots = [self._slots[i] for i in live] + [None] * (new_b - len(live))
@@ -662,6 +712,7 @@ class Engine:
             hook = self._table.device_put_rows(np.stack([req.hook_data for req, _ in chunk]))
         t = self._table
         samp = t.sampling([req.params for req, _ in chunk], n)
+        self._other_work = True  # the next step's measured time would include this prefill
         rows_state, first = self._launch(t.prefill, t.device_put_rows(tokens), t.device_put_rows(lengths), samp, hook)
         rows = t.device_put_rows(np.asarray([row for _, row in chunk], np.int32))
         self._state = self._launch(t.insert, self._state, rows_state, rows)
@@ -699,6 +750,12 @@ class Engine:
         b = len(self._slots)
         samp = self._samp()
         shape = self._choose(b)
+        # Timed as the interval between its results and the previous step's: a fair
+        # measure of what the step costs in this loop only when the device had nothing
+        # else queued between the two (no prefill, insert or resize) and the previous
+        # step was in flight.
+        timed = self._pending is not None and not self._other_work
+        self._other_work = False
         if shape is not None and self.config.time_phases:
             out = self._timed_speculative(samp, shape)
         else:
@@ -715,7 +772,7 @@ class Engine:
         # The rows' owners at dispatch time: slots may change before the tokens are read.
         return {
             "reqs": list(self._slots), "tokens": tokens, "acc": acc, "finite": finite,
-            "shape": shape, "bucket": b, "step": self._step_no, "first": firsts,
+            "shape": shape, "bucket": b, "step": self._step_no, "first": firsts, "timed": timed,
         }
 
     def _timed_speculative(self, samp, shape: SpeculativeConfig):
@@ -749,6 +806,8 @@ class Engine:
         finite = None if pending["finite"] is None else np.asarray(pending["finite"])
         wait = time.perf_counter() - t0
         now = time.perf_counter()
+        step_s = now - self._last_ready if pending["timed"] and self._last_ready is not None else None
+        self._last_ready = now
         m = self.metrics
         for reqs, first in firsts:
             for req, tok in zip(reqs, first):
@@ -787,17 +846,35 @@ class Engine:
                 if req.done:
                     req.metrics.finished = now
                     break
-        self.policy.observe(pending["bucket"], pending["shape"], np.asarray(live_acc, np.int64), None)
+        shape, b = pending["shape"], pending["bucket"]
+        self.policy.observe(b, shape, np.asarray(live_acc, np.int64), step_s)
+        if step_s is not None:
+            key = (b, _shape_name(shape))
+            m.timed_steps[key] += 1
+            m.timed_step_s[key] += step_s
+            m.timed_tokens[key] += sum(live_acc)
+            predict = getattr(self.policy, "predicted_tokens_per_second", None)
+            predicted = predict(b, shape) if predict is not None else None
+            if predicted is not None:
+                m.predicted_tokens_per_second[key] = predicted
         return wait
 
     def __repr__(self) -> str:
         return f"Engine({self._describe})"
 
 
-def default_policy(config: EngineConfig) -> SpeculationPolicy:
-    """The policy an ``EngineConfig`` implies: the threshold cutoff, or plain."""
+def default_policy(config: EngineConfig, draft_dir: str | Path | None = None) -> SpeculationPolicy:
+    """The policy an ``EngineConfig`` implies: the threshold cutoff, the measured cost
+    model (with the model card of the draft in ``draft_dir`` as its prior), or plain."""
     if config.speculative is None:
         return PlainPolicy()
+    if config.spec_policy == "auto":
+        s = config.speculative
+        fields = dict(sampling_verify=s.sampling_verify, threshold_single=s.threshold_single, threshold_acc=s.threshold_acc)
+        shapes = config.spec_shapes or parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
+        prior = card_acceptance(draft_dir) if draft_dir is not None else None
+        return AutoPolicy(shapes, prior=prior, hysteresis=config.spec_hysteresis_steps,
+                          calibration_budget_s=config.spec_calibration_s)
     return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)
 
 
@@ -808,7 +885,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     if config.speculative is not None and draft is None:
         raise ConfigError("config.speculative is set but no draft was given (pass draft=, or speculative=None)")
     if policy is None:
-        policy = default_policy(config)
+        policy = default_policy(config, draft if isinstance(draft, (str, Path)) else None)
     if not isinstance(policy, SpeculationPolicy):
         raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
     shapes = policy_shapes(policy)
@@ -820,6 +897,11 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     target, draft = _load(target, draft, config.dtype)
     if draft is not None:
         check_compatible(draft.config, target.config)
+        for s in shapes:
+            if s.topk > draft.config.draft_vocab_size:
+                raise ConfigError(
+                    f"speculative shape {s.shape}: top-{s.topk} of a draft vocabulary of {draft.config.draft_vocab_size}"
+                )
     limit = target.config.max_position_embeddings
     if config.max_seq_len > limit:
         raise ConfigError(f"max_seq_len={config.max_seq_len} exceeds the target's max_position_embeddings={limit}")
@@ -834,6 +916,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align,
     )
     report = table.build(progress)
+    calibrate = getattr(policy, "calibrate", None)
+    calibration = calibrate(table.time_step, config.batch_buckets) if calibrate is not None else None
     b0 = config.batch_buckets[0]
     metrics = EngineMetrics(compiles_at_ready=compile_count(), phase_timing=config.time_phases)
     if shapes:
@@ -856,7 +940,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
            if config.time_phases else "")
         + ("; draft hook " + type(draft_hook).__name__ if draft_hook is not None else "")
     )
-    log.info("eagle-jax engine ready: %s; %d graphs compiled in %.1f s", describe, report.graphs, report.seconds)
+    log.info("eagle-jax engine ready: %s; %s%s", describe, report.describe(), f"; {calibration}" if calibration else "")
     return dict(
         config=config, target=target, draft=draft, tokenizer=tokenizer, policy=policy,
         eos_ids=tuple(tokenizer.eos_token_ids) if tokenizer is not None else target.config.eos_token_ids,
@@ -865,6 +949,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         _slots=[None] * b0, _state=table.zeros(b0),
         _pending=None, _first_tokens=[], _samp_dirty=True, _samp_arrays=None, _greedy_only=True,
         _last_shape=None, _steps_run=0, _shrink_wait=0, _step_no=0, metrics=metrics,
+        _other_work=False, _last_ready=None,
     )
 
 

@@ -8,17 +8,28 @@ start-up; returning anything else is a bug the engine reports.
 
 ``ThresholdPolicy`` is the seed system's ``--spec-disable-batch-threshold`` with
 hysteresis; ``FixedPolicy`` always speculates with one shape; ``PlainPolicy`` never does.
-A measured cost model (the adaptive policy) plugs in through the same two calls.
+``AutoPolicy`` is a measured cost model: it times every compiled step per batch bucket at
+start-up (``calibrate``), estimates each shape's accept length from a prior (the draft's
+model card) updated by what the engine observes, and runs whichever step is predicted to
+give the most tokens per second, plain included.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from eagle_jax.errors import ConfigError
-from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.spec_config import SpeculativeConfig, parse_shape
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -31,10 +42,18 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, bucket: int, shape: SpeculativeConfig | None, accept_lengths: np.ndarray, step_s: float | None) -> None:
         """A step of ``shape`` ran for ``bucket``: the accept length of each live row
-        (``[n]``; 1 for plain steps) and, when measured, the step's seconds."""
+        (``[n]``; 1 for plain steps) and, when the engine could time it, the seconds it
+        cost in the loop (results to results, nothing else queued between; else None)."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
+
+    # Optional (the engine calls them when a policy has them; ``AutoPolicy`` does):
+    #   calibrate(time_step, buckets) -> str | None: once the step table is built;
+    #     ``time_step(bucket, shape)`` runs one compiled step on an empty state and returns
+    #     its seconds; the returned line goes into the start-up log.
+    #   predicted_tokens_per_second(bucket, shape) -> float | None: what the policy
+    #     expects ``shape`` to deliver in a full ``bucket`` (reported beside the measured).
 
 
 class PlainPolicy:
@@ -125,3 +144,301 @@ def policy_shapes(policy: SpeculationPolicy) -> Sequence[SpeculativeConfig]:
         if not isinstance(s, SpeculativeConfig):
             raise ConfigError(f"policy {type(policy).__name__} lists {s!r} among its shapes; each must be a SpeculativeConfig")
     return shapes
+
+
+# ----------------------------------------------------------------------------- the cost model
+
+# Candidates when none are given: chains of 1 to 5 steps and three trees (cheap to wide).
+DEFAULT_AUTO_SHAPES = (
+    "chain S=1", "chain S=2", "chain S=3", "chain S=4", "chain S=5",
+    "tree S=2 k=4 T=6", "tree S=3 k=4 T=8", "tree S=4 k=4 T=12",
+)
+
+
+def parse_shapes(text: str | Sequence[str], **fields) -> tuple[SpeculativeConfig, ...]:
+    """``"chain S=1, chain S=2, tree S=3 k=4 T=8"`` (or a list of such strings) as
+    configs, in order, without repeats; an empty list or a bad entry is a ``ConfigError``."""
+    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t).strip() for t in text]
+    items = [t for t in items if t]
+    if not items:
+        raise ConfigError(f"no speculative shapes in {text!r} (e.g. 'chain S=2, tree S=3 k=4 T=8')")
+    return tuple(dict.fromkeys(parse_shape(t, **fields) for t in items))
+
+
+def card_acceptance(draft_dir: str | Path) -> list[float] | None:
+    """The draft's held-out acceptance by depth from its model card (``training.json``'s
+    ``final_eval.acc``: top-1 agreement at each unrolled step, each conditional on the
+    steps before), or None when the directory has no such record. A malformed record is
+    an ``InputError`` naming the file."""
+    path = Path(draft_dir) / "training.json"
+    if not path.is_file():
+        return None
+    try:
+        acc = json.loads(path.read_text())["final_eval"]["acc"]
+        values = [float(a) for a in acc]
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: final_eval.acc is not a list of numbers ({e})") from e
+    if not values or not all(0.0 <= a <= 1.0 for a in values):
+        raise InputError(f"{path}: final_eval.acc must be a non-empty list of rates in [0, 1], got {values}")
+    return values
+
+
+class DepthAcceptance:
+    """Acceptance by depth for one shape family: at depth d, the chance a drafted token is
+    accepted given depth d-1 was. Each depth is a Beta estimate: the prior's rate counts as
+    ``weight`` observations, then every observed row adds its own.
+
+    A step of depth S whose row accepted n tokens (the bonus included, so n - 1 drafts)
+    reached depths 1..min(n, S) and accepted depths 1..n-1."""
+
+    def __init__(self, prior: Sequence[float], weight: float, depth: int):
+        p = np.asarray(list(prior) + [prior[-1]] * max(0, depth - len(prior)), np.float64)[:depth]
+        self.prior, self.weight = p, float(weight)
+        self.accepted = np.zeros(depth, np.float64)
+        self.reached = np.zeros(depth, np.float64)
+
+    def add(self, accept_lengths: np.ndarray, num_steps: int) -> None:
+        n = np.asarray(accept_lengths, np.int64)
+        if n.size == 0:
+            return
+        d = np.arange(1, num_steps + 1)[:, None]
+        self.reached[:num_steps] += (d <= np.minimum(n, num_steps)[None]).sum(1)
+        self.accepted[:num_steps] += (d <= (n - 1)[None]).sum(1)
+
+    def rates(self, optimism: float = 0.0, prior: np.ndarray | None = None) -> np.ndarray:
+        """Posterior mean by depth; ``optimism`` > 0 adds that many posterior standard
+        deviations (an upper bound, for deciding what is worth trying). ``prior``
+        replaces the prior's rates (a tree's prior follows the chains' estimate)."""
+        prior = self.prior if prior is None else np.asarray(prior, np.float64)[: len(self.prior)]
+        n = self.reached + self.weight
+        p = (self.accepted + self.weight * prior) / n
+        if optimism:
+            p = p + optimism * np.sqrt(p * (1 - p) / (n + 1))
+        return np.clip(p, 0.0, 1.0)
+
+    def expected_length(self, num_steps: int, optimism: float = 0.0, prior: np.ndarray | None = None) -> float:
+        """Expected accept length (bonus included) of a step of depth ``num_steps``."""
+        return 1.0 + float(np.cumprod(self.rates(optimism, prior)[:num_steps]).sum())
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Start-up step timings: seconds per (bucket, shape name), medians of ``rounds``."""
+
+    seconds: dict
+    rounds: int
+    wall_s: float
+    budget_s: float
+
+
+class AutoPolicy:
+    """Run the step predicted to give the most tokens per second in each batch bucket.
+
+    For a full bucket of b rows, a step of shape s delivers ``b * E[L_s] / t(b, s)``
+    tokens per second, where ``E[L_s]`` is its expected accept length (1 for the plain
+    step) and ``t(b, s)`` its time. Comparing shapes within a bucket, b cancels: the
+    policy runs ``argmax_s E[L_s] / t(b, s)``.
+
+    - ``t(b, s)``: timed at start-up on an empty state (``calibrate``), then corrected
+      by the engine's measured step times (``observe``'s ``step_s``), which include the
+      attention over real contexts and the host loop: a shape's own measured-to-calibrated
+      ratio once it has a few, the bucket's ratio before that.
+    - ``E[L_s]``: chains share one acceptance-by-depth estimate (``DepthAcceptance``),
+      each tree has its own. The chains' prior is the draft's model card
+      (``card_acceptance``) with weight ``prior_weight`` rows, or 0.5 per depth with weight
+      ``uninformed_weight`` without one; a tree's prior is the chains' rates (a tree accepts
+      at least what its top-1 path would) with the small weight, so a few observed steps
+      decide.
+    - Hysteresis: another choice takes over only after it has been predicted better by
+      more than ``margin`` for ``hysteresis`` consecutive steps of that bucket.
+    - Exploration: every ``explore_every`` steps of a bucket, the option with the best
+      optimistic rate (one posterior standard deviation up) runs once if that beats the
+      current one's prediction, so a prior that was wrong is corrected and stale
+      timings are refreshed; the cost is at most one step in ``explore_every``.
+    """
+
+    runs_plain = True
+
+    def __init__(
+        self, shapes: Sequence[SpeculativeConfig], *, prior: Sequence[float] | None = None, prior_weight: float = 32.0,
+        uninformed_weight: float = 4.0, margin: float = 0.03, hysteresis: int = 4, explore_every: int = 32,
+        calibration_budget_s: float = 20.0, calibration_rounds: int = 5,
+    ):
+        shapes = tuple(dict.fromkeys(shapes))
+        if not shapes:
+            raise ConfigError("AutoPolicy needs at least one speculative shape to choose from")
+        for s in shapes:
+            if not isinstance(s, SpeculativeConfig):
+                raise ConfigError(f"AutoPolicy shapes must be SpeculativeConfigs, got {s!r}")
+        if prior is not None:
+            prior = [float(p) for p in prior]
+            if not prior or not all(0.0 <= p <= 1.0 for p in prior):
+                raise ConfigError(f"prior={prior!r} must be a non-empty list of rates in [0, 1]")
+        for name, v in (("prior_weight", prior_weight), ("uninformed_weight", uninformed_weight)):
+            if not v > 0:
+                raise ConfigError(f"{name}={v!r} must be > 0")
+        if not 0 <= margin < 1:
+            raise ConfigError(f"margin={margin!r} must be in [0, 1)")
+        for name, v in (("hysteresis", hysteresis), ("explore_every", explore_every), ("calibration_rounds", calibration_rounds)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+        if not calibration_budget_s > 0:
+            raise ConfigError(f"calibration_budget_s={calibration_budget_s!r} must be > 0")
+        self.shapes = shapes
+        self.prior_source = "model card" if prior is not None else "none (0.5 per depth)"
+        self.margin, self.hysteresis, self.explore_every = margin, hysteresis, explore_every
+        self.calibration_budget_s, self.calibration_rounds = calibration_budget_s, calibration_rounds
+        depth = max(s.num_steps for s in shapes)
+        chain_prior = prior if prior is not None else [0.5]
+        self._chains = DepthAcceptance(chain_prior, prior_weight if prior is not None else uninformed_weight, depth)
+        self._trees = {s: DepthAcceptance([0.5], uninformed_weight, s.num_steps) for s in shapes if not s.is_chain}
+        self.calibration: Calibration | None = None
+        self._ratio: dict = {}  # (bucket, shape) -> [EMA of measured / calibrated seconds, count]
+        self._bucket_ratio: dict = {}  # bucket -> EMA of measured / calibrated over all shapes
+        self._current: dict = {}  # bucket -> the choice in force
+        self._challenger: dict = {}  # bucket -> (option, consecutive steps it was predicted better)
+        self._steps: dict = {}  # bucket -> steps chosen
+        self.measured: dict = {}  # (bucket, shape) -> [tokens, seconds, steps] over timed steps
+
+    # -- the model
+
+    def _family(self, shape: SpeculativeConfig) -> DepthAcceptance:
+        return self._chains if shape.is_chain else self._trees[shape]
+
+    def expected_length(self, shape: SpeculativeConfig | None, optimism: float = 0.0) -> float:
+        if shape is None:
+            return 1.0
+        if shape.is_chain:
+            return self._chains.expected_length(shape.num_steps, optimism)
+        # A tree accepts at least what its top-1 path would: its prior is the chains' estimate.
+        return self._trees[shape].expected_length(shape.num_steps, optimism, prior=self._chains.rates())
+
+    def step_seconds(self, bucket: int, shape: SpeculativeConfig | None) -> float:
+        if self.calibration is None:
+            raise ConfigError("AutoPolicy has no step timings: the engine calls calibrate() once the step table is built")
+        base = self.calibration.seconds.get((bucket, shape))
+        if base is None:
+            raise ConfigError(f"AutoPolicy was not calibrated for batch bucket {bucket} ({_name(shape)})")
+        own = self._ratio.get((bucket, shape))
+        ratio = own[0] if own is not None and own[1] >= 3 else self._bucket_ratio.get(bucket, 1.0)
+        return base * ratio
+
+    def predicted_tokens_per_second(self, bucket: int, shape: SpeculativeConfig | None, optimism: float = 0.0) -> float:
+        return bucket * self.expected_length(shape, optimism) / self.step_seconds(bucket, shape)
+
+    def options(self) -> tuple:
+        return (None,) + self.shapes
+
+    def best(self, bucket: int) -> SpeculativeConfig | None:
+        rates = {o: self.predicted_tokens_per_second(bucket, o) for o in self.options()}
+        return max(rates, key=rates.get)
+
+    # -- start-up
+
+    def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int]) -> str:
+        """Time every option in every bucket: a warm-up round, then up to
+        ``calibration_rounds`` interleaved rounds while the budget lasts (at least one);
+        the median per (bucket, option) is kept."""
+        t0 = time.perf_counter()
+        keys = [(b, o) for b in buckets for o in self.options()]
+        samples: dict = {k: [] for k in keys}
+        for k in keys:  # warm-up: first runs allocate
+            time_step(*k)
+        rounds = 0
+        while rounds < self.calibration_rounds:
+            start = time.perf_counter()
+            for k in keys:
+                samples[k].append(time_step(*k))
+            rounds += 1
+            spent, per_round = time.perf_counter() - t0, time.perf_counter() - start
+            if spent + per_round > self.calibration_budget_s:
+                break
+        self.calibration = Calibration(
+            {k: float(np.median(v)) for k, v in samples.items()}, rounds, time.perf_counter() - t0, self.calibration_budget_s
+        )
+        return (f"calibrated {len(keys)} steps ({len(buckets)} batch buckets x {len(self.options())} options) in "
+                f"{self.calibration.wall_s:.1f} s ({rounds} rounds after a warm-up; budget {self.calibration_budget_s:g} s); "
+                f"predicted best: "
+                + ", ".join(f"{b}: {_name(self.best(b))}" for b in buckets))
+
+    # -- the engine's calls
+
+    def choose(self, bucket: int) -> SpeculativeConfig | None:
+        n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        best = self.best(bucket)
+        if bucket not in self._current:
+            self._current[bucket] = best
+            log.debug("auto: batch bucket %d starts with %s", bucket, _name(best))
+        cur = self._current[bucket]
+        if best != cur:
+            rate = self.predicted_tokens_per_second
+            if rate(bucket, best) > rate(bucket, cur) * (1 + self.margin):
+                who, count = self._challenger.get(bucket, (None, 0))
+                count = count + 1 if who == best else 1
+                self._challenger[bucket] = (best, count)
+                if count >= self.hysteresis:
+                    log.debug("auto: batch bucket %d switches %s -> %s (predicted %.1f vs %.1f tok/s)", bucket,
+                              _name(cur), _name(best), rate(bucket, best), rate(bucket, cur))
+                    self._current[bucket] = cur = best
+                    self._challenger.pop(bucket, None)
+            else:
+                self._challenger.pop(bucket, None)
+        else:
+            self._challenger.pop(bucket, None)
+        if n % self.explore_every == 0:
+            probe = self._probe(bucket, cur)
+            if probe is not None:
+                return probe
+        return cur
+
+    def _probe(self, bucket: int, cur):
+        """The option worth one exploratory step, or None."""
+        here = self.predicted_tokens_per_second(bucket, cur)
+        hopes = {o: self.predicted_tokens_per_second(bucket, o, optimism=1.0) for o in self.options() if o != cur}
+        o = max(hopes, key=hopes.get)
+        return o if hopes[o] > here else None
+
+    def observe(self, bucket: int, shape: SpeculativeConfig | None, accept_lengths: np.ndarray, step_s: float | None) -> None:
+        acc = np.asarray(accept_lengths, np.int64)
+        if shape is not None and acc.size:
+            self._family(shape).add(acc, shape.num_steps)
+        if step_s is None or self.calibration is None or (bucket, shape) not in self.calibration.seconds:
+            return
+        m = self.measured.setdefault((bucket, shape), [0, 0.0, 0])
+        m[0] += int(acc.sum()) if acc.size else 0
+        m[1] += step_s
+        m[2] += 1
+        ratio = step_s / self.calibration.seconds[(bucket, shape)]
+        r = self._ratio.setdefault((bucket, shape), [ratio, 0])
+        r[0] = r[0] + 0.2 * (ratio - r[0]) if r[1] else ratio
+        r[1] += 1
+        br = self._bucket_ratio.get(bucket)
+        self._bucket_ratio[bucket] = ratio if br is None else br + 0.1 * (ratio - br)
+
+    # -- reporting
+
+    def report(self) -> dict:
+        """Per calibrated bucket: the choice in force, predicted tokens/s of every option
+        (full bucket), and measured tokens/s of the options that ran with timing."""
+        if self.calibration is None:
+            return {}
+        out = {}
+        for b in sorted({b for b, _ in self.calibration.seconds}):
+            out[b] = {
+                "chosen": _name(self._current.get(b, self.best(b))),
+                "predicted_tokens_per_second": {_name(o): round(self.predicted_tokens_per_second(b, o), 2) for o in self.options()},
+                "expected_accept_length": {_name(o): round(self.expected_length(o), 3) for o in self.options()},
+                "step_ms": {_name(o): round(1000 * self.step_seconds(b, o), 3) for o in self.options()},
+                "measured_tokens_per_second": {
+                    _name(o): round(m[0] / m[1], 2) for (bb, o), m in self.measured.items() if bb == b and m[1] > 0
+                },
+            }
+        return out
+
+    def describe(self) -> str:
+        return (f"auto over plain and {', '.join(s.shape for s in self.shapes)} (acceptance prior: {self.prior_source}; "
+                f"margin {self.margin:g}, hysteresis {self.hysteresis}, explore every {self.explore_every} steps)")
+
+
+def _name(shape: SpeculativeConfig | None) -> str:
+    return "plain" if shape is None else shape.shape

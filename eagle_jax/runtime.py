@@ -84,6 +84,14 @@ class BuildReport:
     graphs: int
     seconds: float
     names: list[str]
+    # From each executable's memory analysis: the largest scratch one graph needs while it
+    # runs (graphs run one at a time) and the code they hold (0 where XLA does not say).
+    max_temp_bytes: int = 0
+    code_bytes: int = 0
+
+    def describe(self) -> str:
+        return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s (largest scratch "
+                f"{self.max_temp_bytes / 2**20:.1f} MiB, code {self.code_bytes / 2**20:.1f} MiB)")
 
 
 class StepTable:
@@ -342,7 +350,16 @@ class StepTable:
         else:
             for name, key, thunk in jobs:
                 run(name, key, thunk)
-        self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs])
+        temps, code = [0], 0
+        for g in self._graphs.values():
+            try:
+                m = g.memory_analysis()
+            except (AttributeError, NotImplementedError):  # a backend without the analysis
+                continue
+            if m is not None:
+                temps.append(int(m.temp_size_in_bytes))
+                code += int(m.generated_code_size_in_bytes)
+        self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code)
         return self.report
 
     def _get(self, key: tuple):
@@ -385,6 +402,21 @@ class StepTable:
         """One step (plain when ``shape`` is None): ``(state, out_tokens [B, W], accept_length [B],
         finite [B] or None)``; the state is donated."""
         return self._get(("step", state.seq_lens.shape[0], shape, greedy))(self.params, state, samp)
+
+    def time_step(self, b: int, shape: SpeculativeConfig | None) -> float:
+        """Seconds of one greedy step of ``shape`` (None: plain) on a fresh empty state of
+        ``b`` rows, from launch to results ready (what a cost model calibrates on)."""
+        from eagle_jax.sampling import SamplingParams
+
+        state = jax.block_until_ready(self.zeros(b))
+        samp = jax.block_until_ready(self.sampling([SamplingParams()] * b, b))
+        t0 = time.perf_counter()
+        if shape is not None and self.time_phases:  # the step is compiled as its two phases
+            state, tree = self.draft_phase(state, samp, shape)
+            jax.block_until_ready(self.verify_phase(state, tree, samp, shape, True))
+        else:
+            jax.block_until_ready(self.step(state, samp, shape, True))
+        return time.perf_counter() - t0
 
     def draft_phase(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig):
         """The first half of a speculative step: ``(state, tree)``; the input state's draft

@@ -1,0 +1,240 @@
+"""The measured cost model (``AutoPolicy``) on synthetic timings and acceptance, and in
+an engine: it picks the analytically best step, plain when nothing pays, learns from what
+it observes, and never changes the tokens."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.engine import Engine, EngineConfig, compile_count
+from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.policy import AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.spec_config import SpeculativeConfig, parse_shape
+from hf_factories import make_hf_model
+
+CHAINS = tuple(SpeculativeConfig(num_steps=s) for s in range(1, 6))
+TREE = parse_shape("tree S=3 k=4 T=8")
+EXACT = 1e12  # a prior weight that no observation moves
+
+
+def _times(plain_ms=10.0, per_token_ms=3.0, tree_ms=None):
+    """Synthetic step seconds: plain, chains costing per verified token, the tree fixed."""
+    def time_step(bucket, shape):
+        if shape is None:
+            return bucket * plain_ms / 1000
+        if shape.is_chain:
+            return bucket * (plain_ms + per_token_ms * shape.num_steps) / 1000
+        return bucket * tree_ms / 1000
+    return time_step
+
+
+def _expected(rates, s):
+    return 1 + sum(np.prod(rates[: d + 1]) for d in range(s))
+
+
+def test_depth_acceptance_counts_reached_and_accepted_depths():
+    d = DepthAcceptance([0.5], weight=1e-9, depth=3)
+    d.add(np.array([1, 2, 4]), num_steps=3)  # 0, 1 and 3 drafts accepted
+    assert d.reached.tolist() == [3, 2, 1] and d.accepted.tolist() == [2, 1, 1]
+    np.testing.assert_allclose(d.rates(), [2 / 3, 1 / 2, 1.0], rtol=1e-6)
+    d.add(np.array([2]), num_steps=1)  # a chain of one step accepting its draft
+    assert d.reached.tolist() == [4, 2, 1] and d.accepted.tolist() == [3, 1, 1]
+
+
+def test_cost_model_picks_the_analytically_best_shape():
+    rates = [0.8, 0.7, 0.6, 0.5, 0.4]
+    p = AutoPolicy(CHAINS + (TREE,), prior=rates, prior_weight=EXACT, uninformed_weight=EXACT)
+    p.calibrate(_times(plain_ms=10, per_token_ms=3, tree_ms=40), buckets=[1, 4])
+    # Tokens per ms: plain 1/10; chain S: E[L_S] / (10 + 3 S) = 1.8/13, 2.36/16, 2.696/19,
+    # 2.864/22, 2.931/25, so chain S=2 (0.1475) is best; the tree's rates are the chains'
+    # (E = chain S=3's) at 40 ms.
+    want = {s: _expected(rates, s.num_steps) / (10 + 3 * s.num_steps) for s in CHAINS}
+    assert max(want, key=want.get) == CHAINS[1]
+    for b in (1, 4):
+        got = {s: p.predicted_tokens_per_second(b, s) for s in CHAINS}
+        for s in CHAINS:
+            assert got[s] == pytest.approx(b * want[s] / (b / 1000), rel=1e-9)
+        assert p.best(b) == CHAINS[1]
+        assert p.choose(b) == CHAINS[1]
+
+
+def test_cost_model_runs_plain_when_nothing_pays():
+    p = AutoPolicy(CHAINS + (TREE,), prior=[0.1, 0.1, 0.1, 0.1, 0.1], prior_weight=EXACT, uninformed_weight=EXACT)
+    p.calibrate(_times(plain_ms=10, per_token_ms=3, tree_ms=30), buckets=[1, 2])
+    assert p.best(1) is None and p.best(2) is None
+    assert all(p.choose(b) is None for b in (1, 2) for _ in range(100))
+    report = p.report()
+    assert report[1]["chosen"] == "plain" and report[1]["expected_accept_length"]["chain S=1"] == pytest.approx(1.1)
+
+
+def test_cost_model_is_exact_on_the_break_even():
+    """Chain S=1 at 1.5x the plain step pays exactly when acceptance passes 0.5."""
+    for rate, want in ((0.45, None), (0.55, CHAINS[0])):
+        p = AutoPolicy(CHAINS[:1], prior=[rate], prior_weight=EXACT)
+        p.calibrate(_times(plain_ms=10, per_token_ms=5), buckets=[1])
+        assert p.best(1) == want
+
+
+def test_a_draft_that_never_pays_is_learned_and_plain_wins():
+    """No model card: the uninformed prior (0.5 per depth) first says a cheap chain pays;
+    observed accept lengths of 1 (a random draft) move every estimate down and plain takes
+    over after the hysteresis; exploration stops once even the optimistic bound loses."""
+    p = AutoPolicy(CHAINS + (TREE,), hysteresis=3, explore_every=8)
+    p.calibrate(_times(plain_ms=10, per_token_ms=2, tree_ms=20), buckets=[4])
+    assert p.choose(4) is not None
+    chosen = []
+    for _ in range(300):
+        shape = p.choose(4)
+        chosen.append(shape)
+        acc = np.ones(4, np.int64)
+        p.observe(4, shape, acc, None)
+    assert all(s is None for s in chosen[-100:])
+    assert p.report()[4]["chosen"] == "plain"
+    assert p.expected_length(CHAINS[0]) < 1.1 and p.expected_length(TREE) < 1.2
+
+
+def test_hysteresis_and_measured_step_times():
+    """A challenger takes over only after ``hysteresis`` consecutive wins; measured step
+    times replace the calibrated ones (a shape's own ratio after three, else the bucket's)."""
+    p = AutoPolicy(CHAINS[:1], prior=[0.9], prior_weight=EXACT, hysteresis=3, explore_every=10**6)
+    p.calibrate(_times(plain_ms=10, per_token_ms=5), buckets=[1])
+    s1 = CHAINS[0]
+    assert p.choose(1) == s1  # 1.9 / 15 ms beats 1 / 10 ms
+    # The chain's steps turn out to cost 3x the calibrated time: after three measurements
+    # its own ratio applies and plain is predicted better; the switch waits for 3 steps.
+    for _ in range(3):
+        p.observe(1, s1, np.array([2]), 0.045)
+    assert p.step_seconds(1, s1) == pytest.approx(0.045)
+    assert p.step_seconds(1, None) == pytest.approx(0.045 / 0.015 * 0.010)  # the bucket's ratio
+    # Plain gets its own measurements at the calibrated time: only the chain is slow.
+    for _ in range(3):
+        p.observe(1, None, np.array([1]), 0.010)
+    assert p.step_seconds(1, None) == pytest.approx(0.010)
+    assert [p.choose(1) for _ in range(4)] == [s1, s1, None, None]
+    summary = p.report()[1]
+    assert summary["measured_tokens_per_second"]["chain S=1"] == pytest.approx(2 / 0.045, abs=0.01)
+    assert summary["step_ms"]["plain"] == pytest.approx(10.0)
+
+
+def test_exploration_tries_an_untested_tree():
+    """A tree with no observations has a wide estimate: it is tried once per
+    ``explore_every`` steps while its optimistic rate beats the current choice."""
+    p = AutoPolicy((CHAINS[0], TREE), prior=[0.6, 0.5, 0.4], prior_weight=EXACT, explore_every=5)
+    p.calibrate(_times(plain_ms=10, per_token_ms=2, tree_ms=16), buckets=[1])
+    picks = [p.choose(1) for _ in range(10)]
+    assert picks[4] == TREE and picks[9] == TREE and picks.count(TREE) == 2
+    # The tree accepts everything it drafts: its estimate rises and it becomes the choice.
+    for _ in range(20):
+        p.observe(1, TREE, np.array([4]), None)
+    assert p.best(1) == TREE
+
+
+def test_bad_settings_and_shapes_are_named(tmp_path):
+    assert parse_shapes("chain S=1, tree S=3 k=4 T=8,chain S=1") == (CHAINS[0], TREE)
+    with pytest.raises(ConfigError, match="'chain S=x' is not"):
+        parse_shapes("chain S=1, chain S=x")
+    with pytest.raises(ConfigError, match="no speculative shapes"):
+        parse_shapes(" , ")
+    with pytest.raises(ConfigError, match="at least one speculative shape"):
+        AutoPolicy(())
+    with pytest.raises(ConfigError, match="prior="):
+        AutoPolicy(CHAINS, prior=[1.5])
+    with pytest.raises(ConfigError, match="calibrate"):
+        AutoPolicy(CHAINS).best(1)
+    assert card_acceptance(tmp_path) is None
+    (tmp_path / "training.json").write_text(json.dumps({"final_eval": {"acc": [0.5, "x"]}}))
+    with pytest.raises(InputError, match=r"training.json: final_eval.acc is not a list of numbers"):
+        card_acceptance(tmp_path)
+    (tmp_path / "training.json").write_text(json.dumps({"final_eval": {"acc": [0.46, 0.41]}}))
+    assert card_acceptance(tmp_path) == [0.46, 0.41]
+
+
+# ----------------------------------------------------------------------------- in an engine
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy_target")
+    make_hf_model("llama3", seed=3).save_pretrained(path, safe_serialization=True)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return random_draft(target.config, seed=1, draft_vocab_size=128)
+
+
+SHAPES = (CHAINS[0], CHAINS[1], parse_shape("tree S=2 k=2 T=4"))
+AUTO = EngineConfig(max_batch=4, max_seq_len=96, batch_buckets=(4,), prompt_buckets=(16,), speculative=SpeculativeConfig(num_steps=2),
+                    spec_policy="auto", spec_shapes=SHAPES, spec_calibration_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def auto_engine(target, draft):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("eagle_jax.engine")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.INFO)
+    try:
+        eng = Engine(target, draft, AUTO, progress=False)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    return eng, [r.getMessage() for r in records]
+
+
+def test_auto_engine_is_lossless_calibrated_and_compiles_nothing(target, auto_engine):
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 2 + [
+        SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, seed=7)] * 2
+    plain = Engine(target, None, EngineConfig(max_batch=4, max_seq_len=96, prompt_buckets=(16,), speculative=None), progress=False)
+    want = plain.generate(prompts, params)
+    eng, messages = auto_engine
+    [line] = [m for m in messages if "engine ready" in m]
+    assert "auto over plain and chain S=1, chain S=2, tree S=2 k=2 T=4" in line and "calibrated 4 steps (1 batch buckets x 4 options)" in line
+    assert "largest scratch" in line
+    assert isinstance(eng.policy, AutoPolicy) and eng.policy.calibration.rounds >= 1
+    before = compile_count()
+    got = eng.generate(prompts, params)
+    # Greedy rows equal plain decoding; sampled rows equal it too (coupled verification
+    # draws each token with the uniform plain decoding would use), whatever ran when.
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    s = eng.metrics.summary()
+    assert compile_count() == before
+    assert s["measured_tokens_per_second_by_bucket"] and s["predicted_tokens_per_second_by_bucket"]
+    assert set(s["predicted_tokens_per_second_by_bucket"]) <= set(s["measured_tokens_per_second_by_bucket"])
+
+
+def test_auto_with_a_random_draft_ends_plain(auto_engine):
+    """A random draft accepts about nothing: whatever calibration said first, the policy
+    runs plain in the buckets it used once it has seen a few steps."""
+    eng, _ = auto_engine
+    eng.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=80, ignore_eos=True))
+    report = eng.policy.report()
+    assert report[4]["chosen"] == "plain", report[4]
+    s = eng.metrics.summary()
+    steps = {k: v for k, v in s["steps_by_bucket"].items() if k.startswith("4: ")}
+    assert steps["4: plain"] >= 0.8 * sum(steps.values()), steps
+    assert s["mean_accept_length"] < 1.3  # what the speculative steps (explorations) accepted
+
+
+def test_auto_refuses_shapes_the_draft_cannot_run(target, draft):
+    wide = SpeculativeConfig(num_steps=2, topk=200, num_draft_tokens=8)
+    with pytest.raises(ConfigError, match="top-200 of a draft vocabulary of 128"):
+        Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), spec_policy="auto",
+                                           spec_shapes=(wide,)), progress=False)
+    with pytest.raises(ConfigError, match="spec_shapes are the candidates of spec_policy='auto'"):
+        EngineConfig(spec_shapes=SHAPES)
+    with pytest.raises(ConfigError, match="goes with spec_policy='threshold'"):
+        EngineConfig(spec_policy="auto", spec_disable_batch_threshold=2)
+    assert isinstance(Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=None),
+                             progress=False).policy, PlainPolicy)
