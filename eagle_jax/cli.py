@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from eagle_jax.errors import EagleJaxError
+from eagle_jax.errors import EagleJaxError, InputError
 
 from eagle_jax.defaults import (  # noqa: F401  (re-exported for scripts written against cli)
     DEFAULT_DRAFT_NAME,
@@ -28,6 +28,8 @@ from eagle_jax.defaults import (  # noqa: F401  (re-exported for scripts written
 
 _positive_int = positive_int
 
+
+log = logging.getLogger("eagle_jax.cli")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-jax", description="EAGLE-3 speculative decoding in JAX.")
@@ -49,14 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--batch-size", type=_positive_int, default=8, help="requests decoded together (more are queued)")
     g.add_argument("--draft", type=Path, default=None, help=f"EAGLE-3 draft directory (default: checkpoints/{DEFAULT_DRAFT_NAME} when it exists)")
-    # Defaults: tied fastest (with chain S=2) for the released SmolLM2 draft on a 2-core CPU, highest acceptance.
-    g.add_argument("--steps", type=_positive_int, default=3, help="draft steps S (tree depth; default 3)")
-    g.add_argument("--topk", type=_positive_int, default=4, help="draft branching k (1 = chain; default 4)")
+    g.add_argument("--spec-policy", choices=("auto", "threshold", "fixed"), default=None,
+                   help="auto (default with a draft): time every candidate step per batch bucket at start-up and run "
+                        "the one predicted fastest, plain included; fixed: always the --steps/--topk/--draft-tokens "
+                        "shape; threshold: that shape, off above --spec-disable-batch-threshold (default: fixed when "
+                        "a shape flag is given, threshold when the threshold is, else auto)")
+    g.add_argument("--spec-shapes", default=None, metavar="LIST",
+                   help="auto's candidates, comma-separated, e.g. 'chain S=1, chain S=3, tree S=3 k=4 T=8' (default: "
+                        "chains S=1..5 and trees S=2 k=4 T=6, S=3 k=4 T=8, S=4 k=4 T=12); fewer compile faster")
+    g.add_argument("--spec-calibration-s", type=float, default=20.0, metavar="SECONDS",
+                   help="auto's start-up timing budget (default 20)")
+    # Fixed shape defaults: tied fastest (with chain S=2) for the released SmolLM2 draft on a 2-core CPU.
+    g.add_argument("--steps", type=_positive_int, default=None, help="fixed shape: draft steps S (tree depth; default 3)")
+    g.add_argument("--topk", type=_positive_int, default=None, help="fixed shape: draft branching k (1 = chain; default 4)")
     g.add_argument("--draft-tokens", type=_positive_int, default=None,
-                   help="tokens verified per step T (default: 8 for a tree, or all its nodes if fewer; S+1 for a chain)")
+                   help="fixed shape: tokens verified per step T (default: 8 for a tree, or all its nodes if fewer; "
+                        "S+1 for a chain)")
     g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
     g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
-                   help="switch speculation off while the padded batch is larger than N")
+                   help="threshold policy: switch speculation off while the padded batch is larger than N (the seed "
+                        "system's manual setting)")
     g.add_argument("--time-phases", action="store_true",
                    help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
                         "mode), and print draft/verify ms per step")
@@ -101,10 +115,40 @@ def _phase_figures(summary: dict) -> str:
             f"({100 * summary['draft_share']:.0f}% drafting, {summary['spec_steps']} steps)")
 
 
+def _spec_policy(args) -> str:
+    """The policy the flags ask for (see --spec-policy), or a clear error for flags that
+    contradict it."""
+    shape_flags = [f for f, v in (("--steps", args.steps), ("--topk", args.topk), ("--draft-tokens", args.draft_tokens)) if v is not None]
+    policy = args.spec_policy
+    if policy is None:
+        policy = "threshold" if args.spec_disable_batch_threshold is not None else "fixed" if shape_flags else "auto"
+    if policy == "auto" and shape_flags:
+        raise InputError(f"{', '.join(shape_flags)} set the fixed shape; with --spec-policy auto list candidates in --spec-shapes")
+    if policy != "auto" and args.spec_shapes is not None:
+        raise InputError(f"--spec-shapes are auto's candidates; --spec-policy {policy} runs the --steps/--topk shape")
+    if policy != "threshold" and args.spec_disable_batch_threshold is not None:
+        raise InputError(f"--spec-disable-batch-threshold goes with --spec-policy threshold, not {policy}")
+    if policy == "threshold" and args.spec_disable_batch_threshold is None:
+        raise InputError("--spec-policy threshold needs --spec-disable-batch-threshold N")
+    if not args.spec_calibration_s > 0:
+        raise InputError(f"--spec-calibration-s {args.spec_calibration_s} must be > 0")
+    return policy
+
+
+def _policy_lines(summary: dict) -> list[str]:
+    """Which step ran in each batch bucket, measured and predicted tokens/s (--verbose)."""
+    lines = [f"steps by bucket: {summary['steps_by_bucket']}"]
+    meas, pred = summary["measured_tokens_per_second_by_bucket"], summary["predicted_tokens_per_second_by_bucket"]
+    for key in meas:
+        lines.append(f"  bucket {key}: measured {meas[key]:.1f} tok/s"
+                     + (f", predicted {pred[key]:.1f} tok/s (full bucket)" if key in pred else ""))
+    return lines
+
+
 def cmd_generate(args) -> int:
     from eagle_jax.config import ModelConfig
     from eagle_jax.engine import Engine, EngineConfig
-    from eagle_jax.errors import InputError
+    from eagle_jax.policy import parse_shapes
     from eagle_jax.sampling import SamplingParams
     from eagle_jax.speculative import SpeculativeConfig
     from eagle_jax.tokenizer import Tokenizer
@@ -123,6 +167,7 @@ def cmd_generate(args) -> int:
     )
     spec = None
     draft_dir = None
+    policy, spec_shapes = "threshold", None
     if not args.no_speculation:
         draft_dir = args.draft or (default_draft_dir() if args.model is None else None)
         if draft_dir is not None and not draft_dir.is_dir():
@@ -132,10 +177,15 @@ def cmd_generate(args) -> int:
         if draft_dir is None:
             print("note: no draft (pass --draft DIR); decoding without speculation", file=sys.stderr)
         else:
+            policy = _spec_policy(args)
+            steps = args.steps if args.steps is not None else 3
+            topk = args.topk if args.topk is not None else 4
             t = args.draft_tokens
-            if t is None and args.topk > 1:
-                t = min(8, SpeculativeConfig.max_draft_tokens(args.steps, args.topk))
-            spec = SpeculativeConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=t)
+            if t is None and topk > 1:
+                t = min(8, SpeculativeConfig.max_draft_tokens(steps, topk))
+            spec = SpeculativeConfig(num_steps=steps, topk=topk, num_draft_tokens=t)
+            if policy == "auto":
+                spec_shapes = parse_shapes(args.spec_shapes) if args.spec_shapes is not None else None
     tok = Tokenizer.from_dir(model_dir)
     prompts = []
     for r in records:
@@ -154,7 +204,7 @@ def cmd_generate(args) -> int:
             f"a prompt has {longest} tokens; the context holds {max_seq_len} (max_seq_len), leaving no room for a new token"
         )
     batch = min(args.batch_size, len(prompts))
-    threshold = args.spec_disable_batch_threshold if spec is not None else None
+    threshold = args.spec_disable_batch_threshold if spec is not None and policy == "threshold" else None
     if args.time_phases and spec is None:
         print("note: --time-phases has nothing to time without speculation; ignored", file=sys.stderr)
     config = EngineConfig(
@@ -165,6 +215,11 @@ def cmd_generate(args) -> int:
         dtype=args.dtype,
         speculative=spec,
         spec_disable_batch_threshold=threshold,
+        spec_policy="auto" if spec is not None and policy == "auto" else "threshold",
+        spec_shapes=spec_shapes,
+        spec_calibration_s=args.spec_calibration_s,
+        # Sampled steps only when some request samples (halves the graphs otherwise).
+        sampled_steps=args.temperature > 0,
         time_phases=args.time_phases and spec is not None,
     )
     enable_compilation_cache()
@@ -176,6 +231,9 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
         print()
         summary = engine.metrics.summary()
+        if args.verbose:
+            for line in _policy_lines(summary):
+                log.info(line)
         print(
             f"[{summary['tokens']} tokens, {summary['tokens_per_second']:.1f} tok/s"
             + (f", mean accept length {summary['mean_accept_length']:.2f}" if spec is not None else "")
@@ -184,6 +242,9 @@ def cmd_generate(args) -> int:
         )
         return 0
     completions = engine.generate(prompts, params)
+    if args.verbose:
+        for line in _policy_lines(engine.metrics.summary()):
+            log.info(line)
     if config.time_phases:
         print(f"[{_phase_figures(engine.metrics.summary())}]", file=sys.stderr)
     if args.output is None:

@@ -630,13 +630,65 @@ def format_report(report: dict[str, Any]) -> str:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print the report; 0 when every check passes, 1 when one fails."""
     report = collect_report(args.model, args.draft)
+    predict = getattr(args, "predict", None)
+    if predict is not None:
+        report["predicted_shapes"] = predict_shapes(report, args, predict)
     try:
-        print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+        text = json.dumps(report, indent=2) if args.json else format_report(report)
+        if predict is not None and not args.json:
+            text += "\n" + format_predictions(report["predicted_shapes"])
+        print(text, flush=True)
     except BrokenPipeError:
         # The reader (`| head`) stopped early, which is not a failure. Point stdout at
         # /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if report["ok"] else 1
+
+
+def predict_shapes(report: dict[str, Any], args: argparse.Namespace, buckets_text: str) -> dict[str, Any]:
+    """The auto policy's calibration on this machine: per batch bucket, every option's
+    step time, expected accept length (the draft's model card) and predicted tokens/s."""
+    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.errors import InputError
+    from eagle_jax.policy import parse_shapes
+    from eagle_jax.spec_config import SpeculativeConfig
+
+    if args.draft is None:
+        raise InputError("--predict needs --draft DIR (the draft whose shapes to time)")
+    if not report["ok"]:
+        raise InputError("--predict needs checkpoints that pass the checks above (see the failed check)")
+    try:
+        buckets = tuple(sorted({int(b) for b in buckets_text.split(",") if b.strip()}))
+    except ValueError:
+        raise InputError(f"--predict {buckets_text!r}: batch buckets are comma-separated integers, e.g. 1,4,16") from None
+    if not buckets or buckets[0] < 1:
+        raise InputError(f"--predict {buckets_text!r}: give at least one batch bucket >= 1")
+    model_dir, _ = _resolve_model(args.model)
+    config = EngineConfig(
+        max_batch=buckets[-1], batch_buckets=buckets, max_seq_len=256, prompt_buckets=(64,),
+        speculative=SpeculativeConfig(), spec_policy="auto", sampled_steps=False,
+        spec_shapes=parse_shapes(args.shapes) if args.shapes else None,
+    )
+    engine = Engine(str(model_dir), str(args.draft), config, progress=sys.stderr.isatty())
+    policy = engine.policy
+    return {
+        "note": "step times on an empty cache at start-up; accept lengths from the draft's model card "
+                "(the engine corrects both as it runs)",
+        "prior": policy.prior_source,
+        "buckets": {str(b): r for b, r in policy.report().items()},
+    }
+
+
+def format_predictions(pred: dict[str, Any]) -> str:
+    lines = [f"Predicted best shape per batch bucket (auto policy; {pred['note']}; prior: {pred['prior']})"]
+    for b, r in pred["buckets"].items():
+        tps = r["predicted_tokens_per_second"]
+        plain = tps["plain"]
+        others = sorted(((v, k) for k, v in tps.items() if k != "plain"), reverse=True)[:3]
+        lines.append(f"  batch {b}: {r['chosen']} (plain {plain:.1f} tok/s; "
+                     + ", ".join(f"{k} {v:.1f} (x{v / plain:.2f}, accept {r['expected_accept_length'][k]:.2f}, "
+                                 f"step {r['step_ms'][k]:.1f} ms vs {r['step_ms']['plain']:.1f})" for v, k in others) + ")")
+    return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -658,6 +710,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--draft", type=Path, default=None, metavar="DIR", help="EAGLE-3 draft directory to check (against --model)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--predict", nargs="?", const="1,4", default=None, metavar="BUCKETS",
+        help="with --draft: load the model and draft, compile plain and every auto candidate shape for these batch "
+             "buckets (comma-separated, default 1,4), time them on this machine and print the shape the auto policy "
+             "predicts fastest per bucket (takes minutes: compiling and timing)",
+    )
+    p.add_argument("--shapes", default=None, metavar="LIST", help="with --predict: the candidates (default: auto's)")
     p.set_defaults(func=cmd_doctor)
     return p
 

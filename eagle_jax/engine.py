@@ -579,6 +579,23 @@ class Engine:
     def _slot_ids(self):
         return {r.id for r in self._slots if r is not None}
 
+    def use_policy(self, policy: SpeculationPolicy) -> None:
+        """Run later steps under ``policy`` instead, on the graphs already compiled (to
+        compare policies in one process, e.g. a fixed shape against ``AutoPolicy``).
+        Only between requests, and only for a policy whose steps this engine compiled;
+        it is not calibrated again (give it the timings yourself if it needs them)."""
+        if not isinstance(policy, SpeculationPolicy):
+            raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
+        if self.has_unfinished() or self._queue:
+            raise ConfigError("use_policy() is for an idle engine: requests are still running")
+        missing = [s.shape for s in policy_shapes(policy) if s not in self._table.shapes]
+        if missing:
+            raise ConfigError(f"policy {policy.describe()!r} needs shapes this engine did not compile: {missing} "
+                              f"(compiled: {[s.shape for s in self._table.shapes]})")
+        if policy.runs_plain and not self._table.plain:
+            raise ConfigError(f"policy {policy.describe()!r} may run the plain step, which this engine did not compile")
+        self.policy = policy
+
     # -- the host loop
 
     def step(self) -> None:

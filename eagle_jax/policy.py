@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -368,7 +367,7 @@ class AutoPolicy:
         best = self.best(bucket)
         if bucket not in self._current:
             self._current[bucket] = best
-            log.debug("auto: batch bucket %d starts with %s", bucket, _name(best))
+            log.info("auto: batch bucket %d starts with %s", bucket, _name(best))
         cur = self._current[bucket]
         if best != cur:
             rate = self.predicted_tokens_per_second
@@ -377,7 +376,7 @@ class AutoPolicy:
                 count = count + 1 if who == best else 1
                 self._challenger[bucket] = (best, count)
                 if count >= self.hysteresis:
-                    log.debug("auto: batch bucket %d switches %s -> %s (predicted %.1f vs %.1f tok/s)", bucket,
+                    log.info("auto: batch bucket %d switches %s -> %s (predicted %.1f vs %.1f tok/s)", bucket,
                               _name(cur), _name(best), rate(bucket, best), rate(bucket, cur))
                     self._current[bucket] = cur = best
                     self._challenger.pop(bucket, None)

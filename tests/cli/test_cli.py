@@ -2,10 +2,14 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from eagle_jax.cli import build_parser
+from eagle_jax.errors import InputError
 
 
 def run(*args, timeout=300):
@@ -116,3 +120,42 @@ def test_doctor_runs(smollm2_dir):
     r = run("doctor", "--model", smollm2_dir)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "eagle_jax.engine" in r.stdout and "editable" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        ([], "auto"),
+        (["--spec-shapes", "chain S=1, tree S=3 k=4 T=8"], "auto"),
+        (["--steps", "2", "--topk", "1"], "fixed"),
+        (["--spec-disable-batch-threshold", "4"], "threshold"),
+        (["--spec-policy", "fixed"], "fixed"),
+        (["--spec-policy", "threshold", "--steps", "2", "--spec-disable-batch-threshold", "1"], "threshold"),
+        (["--spec-policy", "auto", "--steps", "2"], "--steps set the fixed shape; with --spec-policy auto list candidates"),
+        (["--spec-policy", "fixed", "--spec-shapes", "chain S=1"], "--spec-shapes are auto's candidates"),
+        (["--spec-policy", "auto", "--spec-disable-batch-threshold", "2"], "goes with --spec-policy threshold, not auto"),
+        (["--spec-policy", "threshold"], "needs --spec-disable-batch-threshold"),
+        (["--spec-calibration-s", "0"], "--spec-calibration-s 0.0 must be > 0"),
+    ],
+)
+def test_spec_policy_flags(argv, want):
+    from eagle_jax.cli import _spec_policy
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", *argv])
+    if want in ("auto", "fixed", "threshold"):
+        assert _spec_policy(args) == want
+    else:
+        with pytest.raises(InputError, match=re.escape(want)):
+            _spec_policy(args)
+
+
+def test_unknown_spec_shape_is_a_start_up_error(tmp_path, capsys):
+    from eagle_jax.cli import main
+
+    model = tmp_path / "m"
+    draft = tmp_path / "d"
+    model.mkdir()
+    draft.mkdir()
+    rc = main(["generate", "--model", str(model), "--draft", str(draft), "--prompt", "x", "--spec-shapes", "chain S=2, chian S=3"])
+    assert rc == 2
+    assert "'chian S=3' is not 'chain S=<n>'" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``eagle-jax doctor``: the report names the code, versions and devices in use, and its
 checkpoint checks pass good directories and name what is wrong with bad ones."""
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -15,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 from eagle_jax import doctor
 from eagle_jax.checkpoint.draft_io import describe_feature_layers, random_draft, save_draft
 from eagle_jax.config import ModelConfig
+from eagle_jax.errors import InputError
 from hf_factories import make_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,3 +273,21 @@ def test_backend_that_does_not_start_fails(tmp_path):
     assert r.returncode == 1
     assert "[FAIL] jax" in r.stdout and "the JAX backend does not start" in r.stdout and "nosuch" in r.stdout
     assert "checkpoint directory" in r.stdout  # the other checks still ran
+
+
+def test_predict_times_the_candidates_and_names_the_best_per_bucket(model_dir, draft_dir, capsys):
+    """--predict builds an auto engine for the buckets, so its figures are this machine's:
+    every option has a positive step time, and the chosen one has the best prediction."""
+    args = argparse.Namespace(model=model_dir, draft=draft_dir, json=False, predict="1,2", shapes="chain S=1, tree S=2 k=2 T=4")
+    assert doctor.cmd_doctor(args) == 0
+    out = capsys.readouterr().out
+    assert "Predicted best shape per batch bucket" in out and "  batch 1: " in out and "  batch 2: " in out
+    pred = doctor.predict_shapes(doctor.collect_report(model_dir, draft_dir), args, "2")
+    r = pred["buckets"]["2"]
+    assert set(r["step_ms"]) == {"plain", "chain S=1", "tree S=2 k=2 T=4"} and min(r["step_ms"].values()) > 0
+    tps = r["predicted_tokens_per_second"]
+    assert tps[r["chosen"]] == max(tps.values())
+    with pytest.raises(InputError, match="--predict needs --draft"):
+        doctor.predict_shapes(doctor.collect_report(model_dir, None), argparse.Namespace(model=model_dir, draft=None, shapes=None), "1")
+    with pytest.raises(InputError, match="comma-separated integers"):
+        doctor.predict_shapes(doctor.collect_report(model_dir, draft_dir), args, "1,x")
