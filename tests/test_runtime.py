@@ -147,6 +147,24 @@ def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, dr
     assert {k.split(": ")[1] for k in by_bucket} == {"plain", SPEC.shape, TREE.shape}
 
 
+def test_switching_shapes_keeps_seeded_sampling_and_compiles_nothing(target, draft):
+    """Sampled requests under a policy that switches every step: each request's tokens
+    equal plain decoding's with the same seeds (coupled verification draws with the
+    uniforms plain decoding uses), and switching among every compiled step compiles nothing."""
+    from eagle_jax.engine import compile_count
+
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3)]
+    cfg = dict(max_batch=4, max_seq_len=64, batch_buckets=(4,), prompt_buckets=(16,))
+    plain = Engine(target, None, EngineConfig(speculative=None, **cfg), progress=False).generate(prompts, params)
+    eng = Engine(target, draft, EngineConfig(speculative=SPEC, **cfg), policy=_Cycle(), progress=False)
+    before = compile_count()
+    out = eng.generate(prompts, params)
+    assert compile_count() == before
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    assert {s for _, s, _ in eng.policy.seen} == {None, SPEC, TREE}
+
+
 def test_a_policy_choosing_an_unlisted_shape_is_a_clear_error(target, draft):
     class Liar(_Cycle):
         def choose(self, bucket):
