@@ -108,8 +108,16 @@ def add_parsers(sub) -> None:
         description="Train an EAGLE-3 draft (training-time test) and write it in the released format.",
     )
     t.add_argument("--model", type=Path, default=None, help="target model directory (default: the default model)")
-    t.add_argument("--data", type=Path, required=True, help="directory written by `eagle-jax draft-data`")
-    t.add_argument("--out", type=Path, required=True, help="draft directory to write")
+    t.add_argument("--data", type=Path, default=None, help="directory written by `eagle-jax draft-data` (required unless --resume)")
+    t.add_argument("--out", type=Path, default=None, help="draft directory to write (required unless --resume)")
+    t.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="continue the interrupted run whose --out was DIR, from its newest readable checkpoint, with "
+                        "the settings it recorded in DIR/run.json (give no other training flags)")
+    t.add_argument("--log-every", type=_positive_int, default=10, metavar="STEPS",
+                   help="write a training record (loss, acc, lr) every STEPS steps (default 10)")
+    t.add_argument("--checkpoint-every", type=int, default=200, metavar="STEPS",
+                   help="save the training state (orbax) to OUT/checkpoints every STEPS steps (default 200; 0: only "
+                        "at the end and on SIGINT/SIGTERM); the newest 3 are kept")
     t.add_argument("--overwrite", action="store_true", help="replace an existing draft directory")
     t.add_argument("--draft-vocab", type=_positive_int, default=8192, help="draft vocabulary size (default 8192)")
     t.add_argument("--ttt-length", type=_positive_int, default=7, help="unrolled draft steps (default 7)")
@@ -513,12 +521,45 @@ def _write_manifest(out: Path, manifest: dict) -> None:
     tmp.replace(out / "manifest.json")
 
 
+# The train-draft settings a run records in OUT/run.json, so --resume repeats them.
+_RUN_FIELDS = ("model", "data", "draft_vocab", "ttt_length", "epochs", "lr", "warmup_steps", "batch_size", "seed",
+               "init_draft", "save_epochs", "save_dtype", "checkpoint_every", "log_every")
+
+
+def _resume_args(args):
+    """The recorded settings of the run in ``args.resume`` (its OUT/run.json)."""
+    from eagle_jax.train.data import read_json_object
+
+    given = [f"--{n.replace('_', '-')}" for n in ("data", "out") if getattr(args, n) is not None]
+    if given:
+        raise InputError(f"--resume {args.resume} takes the run's settings from its run.json; drop {', '.join(given)}")
+    path = args.resume / "run.json"
+    if not path.is_file():
+        raise InputError(f"{args.resume} has no run.json: not the --out of a train-draft run (or one before resuming existed)")
+    run = read_json_object(path, "a train-draft run record")
+    missing = [k for k in _RUN_FIELDS if k not in run]
+    if missing:
+        raise InputError(f"{path}: missing {missing}")
+    for k in _RUN_FIELDS:
+        v = run[k]
+        setattr(args, k, Path(v) if k in ("model", "data", "init_draft") and v is not None else v)
+    args.out, args.overwrite = args.resume, True
+    return args
+
+
 def cmd_train_draft(args) -> int:
     from eagle_jax.checkpoint.draft_io import load_draft, save_draft
     from eagle_jax.checkpoint.hf import load_model
     from eagle_jax.train.data import FeatureSet
-    from eagle_jax.train.ttt import TrainConfig, train_draft
+    from eagle_jax.train.ttt import TrainConfig, TrainingInterrupted, train_draft
 
+    resuming = args.resume is not None
+    if resuming:
+        args = _resume_args(args)
+    elif args.data is None or args.out is None:
+        raise InputError("train-draft needs --data and --out (or --resume DIR to continue a run)")
+    if args.checkpoint_every < 0:
+        raise InputError(f"--checkpoint-every {args.checkpoint_every} must be >= 0")
     model_dir = _model_dir(args)
     manifest_path = args.data / "manifest.json"
     if not manifest_path.is_file():
@@ -534,8 +575,8 @@ def cmd_train_draft(args) -> int:
             f"{args.data} was made with the target {manifest.get('model')!r} (config sha256 "
             f"{manifest.get('model_config_sha256')}), not {model_dir} ({_fingerprint(model_dir)})"
         )
-    if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
-        raise InputError(f"{args.out} exists and is not empty (pass --overwrite to replace it)")
+    if not resuming and args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+        raise InputError(f"{args.out} exists and is not empty (pass --overwrite to replace it, or --resume {args.out})")
     cfg = TrainConfig(
         draft_vocab_size=args.draft_vocab, ttt_length=args.ttt_length, epochs=args.epochs,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, batch_size=args.batch_size, seed=args.seed,
@@ -549,10 +590,29 @@ def cmd_train_draft(args) -> int:
         if fs is not None and fs.features.shape[-1] != len(target.config.feature_layer_ids) * target.config.hidden_size:
             raise InputError(f"{args.data / name} features have width {fs.features.shape[-1]}, not what {model_dir} yields")
     args.out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = args.out / "checkpoints"
+    if not resuming:
+        if ckpt_dir.exists():
+            import shutil
+
+            shutil.rmtree(ckpt_dir)  # --overwrite: an older run's checkpoints are not this one's
+        run = {k: (str(getattr(args, k)) if isinstance(getattr(args, k), Path) else getattr(args, k)) for k in _RUN_FIELDS}
+        run["model"] = str(model_dir.resolve())
+        run["data"] = str(args.data.resolve())
+        if args.init_draft is not None:
+            run["init_draft"] = str(args.init_draft.resolve())
+        (args.out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     log_path = args.out / "training_log.jsonl"
     log_file = log_path.open("w")
 
     def on_log(rec):
+        if rec["event"] == "resume":
+            # The log restarts from the checkpoint's history: steps logged after it are redone.
+            for old in rec["history"]:
+                log_file.write(json.dumps(old, default=float) + "\n")
+            log_file.flush()
+            print(f"resumed at step {rec['step']} from {ckpt_dir}", file=sys.stderr)
+            return
         log_file.write(json.dumps(rec, default=float) + "\n")
         log_file.flush()
         if rec["event"] == "train":
@@ -570,7 +630,14 @@ def cmd_train_draft(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        draft, history = train_draft(target, data, cfg, eval_data=eval_data, on_log=on_log, init=init, on_epoch=on_epoch)
+        draft, history = train_draft(
+            target, data, cfg, eval_data=eval_data, on_log=on_log, init=init, on_epoch=on_epoch,
+            checkpoint_dir=ckpt_dir, checkpoint_every=args.checkpoint_every, resume=resuming, log_every=args.log_every,
+        )
+    except TrainingInterrupted as e:
+        print(f"interrupted: training state of step {e.step} saved; continue with `eagle-jax train-draft --resume {args.out}`",
+              file=sys.stderr)
+        return 130
     finally:
         log_file.close()
     save_draft(draft, args.out, dtype=args.save_dtype)
@@ -581,7 +648,9 @@ def cmd_train_draft(args) -> int:
         "data_manifest": manifest, "train_config": dataclasses.asdict(cfg),
         "init_draft": _display_path(args.init_draft) if args.init_draft is not None else None,
         "train_sequences": len(data), "coverage": history[0]["coverage"],
-        "final_eval": evals[-1] if evals else None, "train_seconds": time.perf_counter() - t0,
+        "final_eval": evals[-1] if evals else None,
+        # Across resumptions: the training clock the history carries, else this process's.
+        "train_seconds": max([h.get("elapsed_s", 0.0) for h in history] + [time.perf_counter() - t0]),
     }
     (args.out / "training.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     print(f"wrote draft to {args.out} ({summary['train_seconds']:.0f} s)")

@@ -335,6 +335,80 @@ def expected_accept_length(acc: np.ndarray) -> float:
     return out
 
 
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM arrived during training: a checkpoint of the last finished step
+    was saved (``step``), from which ``train_draft(..., resume=True)`` continues."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(f"training interrupted; checkpoint of step {step} saved in {directory}")
+        self.step, self.directory = step, directory
+
+
+class TrainCheckpoints:
+    """Resumable training state in ``directory`` with orbax-checkpoint: the trainable
+    draft parameters, the optimizer state and a JSON record (step, epoch, the history so
+    far, the draft vocabulary's digest). The data order needs no saving: it is replayed
+    from the seed. The newest ``keep`` checkpoints are kept, so a latest one that was
+    corrupted (a kill mid-write, a bad disk) leaves an older one to fall back to."""
+
+    def __init__(self, directory, keep: int = 3):
+        import orbax.checkpoint as ocp
+        from pathlib import Path
+
+        self.directory = Path(directory).resolve()
+        self._ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        )
+
+    def save(self, step: int, params, opt_state, meta: dict) -> None:
+        ocp = self._ocp
+        if step in self.manager.all_steps():  # saved again at an epoch's end, with its evaluation
+            self.manager.delete(step)
+        self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta),
+        ), force=True)
+        self.manager.wait_until_finished()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def restore(self, params, opt_state) -> tuple[int, Any, Any, dict]:
+        """The newest checkpoint that reads back whole: (step, params, opt_state, meta),
+        with ``params``/``opt_state`` as the templates. A checkpoint that fails to read is
+        reported (logged, with the error) and the one before it is tried."""
+        ocp = self._ocp
+        errors = []
+        for step in self.steps():
+            try:
+                got = self.manager.restore(step, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(params), opt_state=ocp.args.StandardRestore(opt_state),
+                    meta=ocp.args.JsonRestore(),
+                ))
+                meta = dict(got["meta"])
+                if int(meta.get("step", -1)) != step:
+                    raise ValueError(f"its record says step {meta.get('step')!r}")
+            except Exception as e:  # noqa: BLE001 -- any failure to read means: try the previous one
+                log.error("checkpoint of step %d in %s cannot be read (%s: %s); trying the previous one",
+                          step, self.directory, type(e).__name__, e)
+                errors.append(f"step {step}: {type(e).__name__}: {e}")
+                continue
+            if errors:
+                log.warning("resuming from step %d; newer checkpoints were unreadable: %s", step, "; ".join(errors))
+            return step, got["params"], got["opt_state"], meta
+        detail = f" (unreadable: {'; '.join(errors)})" if errors else ""
+        raise ConfigError(f"no checkpoint to resume from in {self.directory}{detail}")
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _vocab_digest(ids: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16]
+
+
 def train_draft(
     target: LlamaModel,
     data: FeatureSet,
@@ -346,6 +420,10 @@ def train_draft(
     log_every: int = 10,
     init: Eagle3Draft | None = None,
     on_epoch: Callable[[int, Eagle3Draft], None] | None = None,
+    checkpoint_dir=None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> tuple[Eagle3Draft, list[dict[str, Any]]]:
     """Select the draft vocabulary, initialise and train a draft. Returns (draft, history).
 
@@ -354,6 +432,14 @@ def train_draft(
     fresh one. ``history`` holds one record per logged step and one per evaluation (per
     epoch end when ``eval_data`` is given); ``on_log`` sees each record as it is made;
     ``on_epoch(epoch, draft)`` is called after each full pass (e.g. to save a snapshot).
+
+    Resuming: with ``checkpoint_dir``, the state is saved every ``checkpoint_every`` steps
+    (0: only at the end and on a signal), at the end, and when SIGINT or SIGTERM arrives
+    (then ``TrainingInterrupted`` is raised after the save). ``resume=True`` restores the
+    newest readable checkpoint there and continues: the same batches in the same order
+    from the next step, so the per-step losses equal an uninterrupted run's (``on_step``
+    sees every step's loss, for checking that). The history returned (and logged to
+    ``on_log`` from then on) continues the saved one.
     """
     if init is None:
         ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
@@ -384,31 +470,97 @@ def train_draft(
 
     emit({"event": "vocab", "draft_vocab_size": len(ids), "coverage": coverage})
 
-    rng = np.random.default_rng(cfg.seed)
+    ckpt = TrainCheckpoints(checkpoint_dir) if checkpoint_dir is not None else None
+    if resume and ckpt is None:
+        raise ConfigError("resume=True needs checkpoint_dir")
+    digest = _vocab_digest(ids)
     t0 = time.perf_counter()
+    elapsed0 = 0.0
+    closed = 0  # epochs whose end (snapshot, evaluation) is done
+    if resume:
+        step, trainer.params, trainer.opt_state, meta = ckpt.restore(trainer.params, trainer.opt_state)
+        if meta.get("vocab_sha256") != digest or meta.get("total_steps") != total:
+            raise ConfigError(
+                f"the checkpoint in {ckpt.directory} was made with other data or settings (draft vocabulary "
+                f"{meta.get('vocab_sha256')} vs {digest}, {meta.get('total_steps')} vs {total} total steps)"
+            )
+        trainer.step_count = step
+        history[:] = list(meta["history"])
+        elapsed0 = float(meta.get("elapsed_s", 0.0))
+        closed = int(meta.get("epochs_closed", 0))
+        log.info("resumed at step %d of %d from %s", step, total, ckpt.directory)
+        if on_log is not None:
+            on_log({"event": "resume", "step": step, "history": list(history)})
+
+    def save(epoch: int, closed: int) -> None:
+        ckpt.save(trainer.step_count, trainer.params, trainer.opt_state, {
+            "step": trainer.step_count, "epoch": epoch, "epochs_closed": closed, "total_steps": total, "vocab_sha256": digest,
+            "history": history, "elapsed_s": elapsed0 + time.perf_counter() - t0,
+        })
+
+    # SIGINT / SIGTERM: finish the step in flight, save, and stop.
+    import signal
+
+    stop = []
+    handlers = {}
+    if ckpt is not None:
+        def on_signal(signum, frame):
+            stop.append(signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                handlers[sig] = signal.signal(sig, on_signal)
+            except ValueError:  # not the main thread: signals cannot be caught here
+                pass
+    rng = np.random.default_rng(cfg.seed)
     max_len = data.tokens.shape[1]
     epoch = 0
-    while trainer.step_count < total:
-        for idx, width in _length_batches(lengths, cfg.batch_size, rng, round_to, max_len):
-            if trainer.step_count >= total:
-                break
-            out = trainer.step(_batch_arrays(data, idx, width, cfg.batch_size))
-            if trainer.step_count % log_every == 0 or trainer.step_count == total:
+    done_before = trainer.step_count
+    try:
+        while trainer.step_count < total:
+            # The epoch's batches come from the one seeded generator, epoch after epoch, so
+            # a resumed run replays the order and skips what the checkpoint had done.
+            batches = list(_length_batches(lengths, cfg.batch_size, rng, round_to, max_len))
+            skip = max(0, done_before - epoch * steps_per_epoch)
+            for idx, width in batches[skip:]:
+                if trainer.step_count >= total:
+                    break
+                out = trainer.step(_batch_arrays(data, idx, width, cfg.batch_size))
+                if on_step is not None:
+                    on_step(trainer.step_count, out)
+                if trainer.step_count % log_every == 0 or trainer.step_count == total:
+                    emit({
+                        "event": "train", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
+                        "loss": float(out["loss"]), "step_loss": [round(float(x), 4) for x in out["step_loss"]], "acc": [round(float(a), 4) for a in out["acc"]],
+                        "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
+                        "elapsed_s": elapsed0 + time.perf_counter() - t0,
+                    })
+                if ckpt is not None and stop:
+                    save(epoch, closed)
+                    raise TrainingInterrupted(trainer.step_count, str(ckpt.directory))
+                if ckpt is not None and checkpoint_every and trainer.step_count % checkpoint_every == 0:
+                    save(epoch, closed)
+            epoch += 1
+            if epoch <= closed:  # its end (snapshot, evaluation) was done before the checkpoint
+                continue
+            if on_epoch is not None and trainer.step_count % steps_per_epoch == 0:
+                on_epoch(epoch, trainer.draft)
+            if eval_data is not None:
+                ev = trainer.evaluate(eval_data, round_to=round_to)
                 emit({
-                    "event": "train", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
-                    "loss": float(out["loss"]), "step_loss": [round(float(x), 4) for x in out["step_loss"]], "acc": [round(float(a), 4) for a in out["acc"]],
-                    "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
-                    "elapsed_s": time.perf_counter() - t0,
+                    "event": "eval", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
+                    "loss": [round(float(x), 4) for x in ev["loss"]], "acc": [round(float(x), 4) for x in ev["acc"]],
+                    "expected_accept_length": expected_accept_length(ev["acc"]),
+                    "elapsed_s": elapsed0 + time.perf_counter() - t0,
                 })
-        epoch += 1
-        if on_epoch is not None and trainer.step_count % steps_per_epoch == 0:
-            on_epoch(epoch, trainer.draft)
-        if eval_data is not None:
-            ev = trainer.evaluate(eval_data, round_to=round_to)
-            emit({
-                "event": "eval", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
-                "loss": [round(float(x), 4) for x in ev["loss"]], "acc": [round(float(x), 4) for x in ev["acc"]],
-                "expected_accept_length": expected_accept_length(ev["acc"]),
-                "elapsed_s": time.perf_counter() - t0,
-            })
+            closed = epoch
+            if ckpt is not None and checkpoint_every:
+                save(epoch, closed)
+        if ckpt is not None:
+            save(epoch, closed)
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        if ckpt is not None:
+            ckpt.close()
     return trainer.draft, history

@@ -105,3 +105,84 @@ def test_train_draft_then_generate_with_it(tiny_dir, data_dir, tmp_path):
 def test_train_draft_without_data(tiny_dir, tmp_path):
     r = run("train-draft", "--model", tiny_dir, "--data", tmp_path, "--out", tmp_path / "d")
     assert r.returncode == 2 and "no manifest.json" in r.stderr
+
+
+def _train_losses(out):
+    """{step: loss} of the run's training log."""
+    log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
+    steps = [rec["step"] for rec in log if rec["event"] == "train"]
+    assert len(steps) == len(set(steps)), "a step was logged twice"
+    return {rec["step"]: rec["loss"] for rec in log if rec["event"] == "train"}
+
+
+def test_killed_training_resumes_with_the_losses_of_an_uninterrupted_run(tiny_dir, data_dir, tmp_path):
+    """SIGKILL mid-run, then --resume: every step's loss equals the uninterrupted run's
+    (same batches in the same order, nothing repeated or skipped); a corrupted newest
+    checkpoint is reported and the one before it used; SIGTERM saves and stops."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    settings = ["--model", tiny_dir, "--data", data_dir, "--draft-vocab", "150", "--ttt-length", "2", "--epochs", "40",
+                "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "7"]
+    ref = tmp_path / "ref"
+    r = run("train-draft", *settings, "--out", ref)
+    assert r.returncode == 0, r.stderr
+    want = _train_losses(ref)
+    total = max(want)
+    assert total == 200 and sorted(want) == list(range(1, total + 1))
+
+    def start(out):
+        cmd = [sys.executable, "-m", "eagle_jax.cli", "train-draft", *map(str, settings), "--out", str(out)]
+        return subprocess.Popen(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+
+    def wait_for_step(proc, out, step):
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            log = out / "training_log.jsonl"
+            if log.is_file() and log.read_text().count('"event": "train"') >= step:
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"training ended or stalled before step {step}: {proc.stderr.read()[-2000:]}")
+
+    # SIGKILL: no chance to save; the periodic checkpoints (every 7 steps) remain.
+    out = tmp_path / "killed"
+    proc = start(out)
+    wait_for_step(proc, out, 30)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not (out / "training.json").exists(), "the run finished before it was killed"
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(steps) >= 2 and all(s % 7 == 0 or s % 5 == 0 for s in steps)  # every 7 steps, and at epoch ends (5 steps)
+    # Corrupt the newest checkpoint's parameters: resuming says so and uses the one before.
+    newest = out / "checkpoints" / str(steps[-1])
+    for f in (newest / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    r = run("train-draft", "--resume", out)
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint of step {steps[-1]}" in r.stderr and "cannot be read" in r.stderr
+    assert f"resumed at step {steps[-2]}" in r.stderr
+    assert _train_losses(out) == want
+    assert (out / "model.safetensors").is_file() and json.loads((out / "training.json").read_text())["final_eval"]
+
+    # SIGTERM: the step in flight finishes, its state is saved, exit status 130.
+    out = tmp_path / "terminated"
+    proc = start(out)
+    wait_for_step(proc, out, 20)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert "continue with `eagle-jax train-draft --resume" in err
+    r = run("train-draft", "--resume", out)
+    assert r.returncode == 0, r.stderr
+    assert _train_losses(out) == want
+
+    # --resume with other flags, or of a directory that is not a run, is refused.
+    r = run("train-draft", "--resume", out, "--data", data_dir)
+    assert r.returncode == 2 and "drop --data" in r.stderr
+    r = run("train-draft", "--resume", tmp_path)
+    assert r.returncode == 2 and "no run.json" in r.stderr
