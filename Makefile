@@ -73,6 +73,7 @@ bench: install-test model
 	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS)
 	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS) --batches 1 4 --time-phases
 	$(VPY) scripts/bench_mixed_prompts.py
+	$(VPY) scripts/bench_policy.py --draft $(DRAFT_DIR)
 
 # The working tree against an earlier commit, interleaved on this machine: make compare OLD=e7c740f
 compare: install-test model

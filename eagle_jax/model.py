@@ -407,6 +407,12 @@ class LlamaModel(nnx.Module):
         return self.norm(h), features, KVCache(k=new_k, v=new_v)
 
     def logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
+        if self.config.tie_word_embeddings and math.prod(hidden.shape[:-1]) > 1:
+            # Several rows (a verify forward, a batch): contracting against the [V, H]
+            # embedding beats the pre-transposed [H, V] product on XLA:CPU (SmolLM2's
+            # 49152 x 576 head, 2-core Xeon: 14.1 vs 15.6 ms at 8 rows, 16.5 vs 22.9 at
+            # 16, 36 vs 40 at 64); one row stays a matrix-vector product over [H, V].
+            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...]).astype(jnp.float32)
         return (hidden @ self.lm_head[...]).astype(jnp.float32)
 
     def cache_spec(self, batch: int, max_len: int) -> KVCache:
