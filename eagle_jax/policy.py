@@ -251,7 +251,8 @@ class AutoPolicy:
     - Hysteresis: another choice takes over only after it has been predicted better by
       more than ``margin`` for ``hysteresis`` consecutive steps of that bucket.
     - Exploration: every ``explore_every`` steps of a bucket, the option with the best
-      optimistic rate (one posterior standard deviation up) runs once if that beats the
+      optimistic rate (one posterior standard deviation up, and ``timing_doubt`` faster
+      while its step time is only the calibration's) runs once if that beats the
       current one's prediction, so a prior that was wrong is corrected and stale
       timings are refreshed; the cost is at most one step in ``explore_every``.
     """
@@ -259,8 +260,9 @@ class AutoPolicy:
     runs_plain = True
 
     def __init__(
-        self, shapes: Sequence[SpeculativeConfig], *, prior: Sequence[float] | None = None, prior_weight: float = 32.0,
-        uninformed_weight: float = 4.0, margin: float = 0.03, hysteresis: int = 4, explore_every: int = 32,
+        self, shapes: Sequence[SpeculativeConfig], *, prior: Sequence[float] | None = None, prior_weight: float = 16.0,
+        uninformed_weight: float = 4.0, margin: float = 0.03, hysteresis: int = 4, explore_every: int = 16,
+        timing_doubt: float = 0.1,
         calibration_budget_s: float = 20.0, calibration_rounds: int = 5,
     ):
         shapes = tuple(dict.fromkeys(shapes))
@@ -286,6 +288,9 @@ class AutoPolicy:
         self.shapes = shapes
         self.prior_source = "model card" if prior is not None else "none (0.5 per depth)"
         self.margin, self.hysteresis, self.explore_every = margin, hysteresis, explore_every
+        if not 0 <= timing_doubt < 1:
+            raise ConfigError(f"timing_doubt={timing_doubt!r} must be in [0, 1)")
+        self.timing_doubt = timing_doubt
         self.calibration_budget_s, self.calibration_rounds = calibration_budget_s, calibration_rounds
         depth = max(s.num_steps for s in shapes)
         chain_prior = prior if prior is not None else [0.5]
@@ -335,28 +340,36 @@ class AutoPolicy:
     # -- start-up
 
     def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int]) -> str:
-        """Time every option in every bucket: a warm-up round, then up to
-        ``calibration_rounds`` interleaved rounds while the budget lasts (at least one);
-        the median per (bucket, option) is kept."""
+        """Time every option in every bucket: a warm-up round, then interleaved rounds
+        per bucket, up to ``calibration_rounds``, while the bucket's share of the budget
+        lasts (at least one); the median per (bucket, option) is kept. The budget is
+        shared out per bucket so the large buckets' slow steps do not leave the small
+        ones, whose steps are cheap to repeat, with a single noisy round."""
         t0 = time.perf_counter()
         keys = [(b, o) for b in buckets for o in self.options()]
         samples: dict = {k: [] for k in keys}
         for k in keys:  # warm-up: first runs allocate
             time_step(*k)
-        rounds = 0
-        while rounds < self.calibration_rounds:
-            start = time.perf_counter()
-            for k in keys:
-                samples[k].append(time_step(*k))
-            rounds += 1
-            spent, per_round = time.perf_counter() - t0, time.perf_counter() - start
-            if spent + per_round > self.calibration_budget_s:
-                break
+        share = max(0.0, self.calibration_budget_s - (time.perf_counter() - t0)) / max(len(buckets), 1)
+        per_bucket = {}
+        for b in buckets:
+            start, rounds = time.perf_counter(), 0
+            while rounds < self.calibration_rounds:
+                r0 = time.perf_counter()
+                for o in self.options():
+                    samples[(b, o)].append(time_step(b, o))
+                rounds += 1
+                now = time.perf_counter()
+                if now - start + (now - r0) > share:
+                    break
+            per_bucket[b] = rounds
+        rounds = min(per_bucket.values())
         self.calibration = Calibration(
             {k: float(np.median(v)) for k, v in samples.items()}, rounds, time.perf_counter() - t0, self.calibration_budget_s
         )
         return (f"calibrated {len(keys)} steps ({len(buckets)} batch buckets x {len(self.options())} options) in "
-                f"{self.calibration.wall_s:.1f} s ({rounds} rounds after a warm-up; budget {self.calibration_budget_s:g} s); "
+                f"{self.calibration.wall_s:.1f} s (rounds after a warm-up per bucket: "
+                + ", ".join(f"{b}: {n}" for b, n in per_bucket.items()) + f"; budget {self.calibration_budget_s:g} s); "
                 f"predicted best: "
                 + ", ".join(f"{b}: {_name(self.best(b))}" for b in buckets))
 
@@ -393,7 +406,17 @@ class AutoPolicy:
     def _probe(self, bucket: int, cur):
         """The option worth one exploratory step, or None."""
         here = self.predicted_tokens_per_second(bucket, cur)
-        hopes = {o: self.predicted_tokens_per_second(bucket, o, optimism=1.0) for o in self.options() if o != cur}
+        hopes = {}
+        for o in self.options():
+            if o == cur:
+                continue
+            hope = self.predicted_tokens_per_second(bucket, o, optimism=1.0)
+            own = self._ratio.get((bucket, o))
+            if own is None or own[1] < 3:
+                # Its time is the start-up calibration's (an empty cache, few rounds): allow
+                # it the calibration's noise, so a close competitor gets measured for real.
+                hope *= 1.0 + self.timing_doubt
+            hopes[o] = hope
         o = max(hopes, key=hopes.get)
         return o if hopes[o] > here else None
 

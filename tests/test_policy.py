@@ -238,3 +238,36 @@ def test_auto_refuses_shapes_the_draft_cannot_run(target, draft):
         EngineConfig(spec_policy="auto", spec_disable_batch_threshold=2)
     assert isinstance(Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=None),
                              progress=False).policy, PlainPolicy)
+
+
+def test_calibration_shares_the_budget_per_bucket():
+    """The slow large bucket cannot leave the cheap small one with a single round."""
+    import time
+
+    def time_step(bucket, shape):
+        if bucket == 64:
+            time.sleep(0.1)
+        return 0.001 * bucket * (1 if shape is None else 1.5)
+
+    p = AutoPolicy(CHAINS[:1], prior=[0.9], calibration_budget_s=0.5, calibration_rounds=5)
+    line = p.calibrate(time_step, [1, 64])
+    assert "rounds after a warm-up per bucket: 1: 5, 64: 1" in line, line
+    assert p.step_seconds(64, CHAINS[0]) == pytest.approx(0.096)
+
+
+def test_exploration_measures_a_close_competitor_timed_only_at_start_up():
+    """Chain S=1 predicted 5% slower than the current chain S=2 from calibration alone:
+    it is tried (its time may be the calibration's noise); once measured it is not."""
+    rates = [0.5, 0.5]
+    p = AutoPolicy(CHAINS[:2], prior=rates, prior_weight=EXACT, explore_every=4)
+    t = {None: 0.010, CHAINS[0]: 0.0150, CHAINS[1]: 0.0166}  # rates 100, 100, 105.4 tokens/s per row
+    p.calibrate(lambda b, s: t[s], buckets=[1])
+    assert p.best(1) == CHAINS[1]
+    picks = [p.choose(1) for _ in range(4)]
+    assert picks[3] in (None, CHAINS[0])  # the untimed competitors are worth one real step
+    for shape in (None, CHAINS[0]):
+        for _ in range(3):
+            p.observe(1, shape, np.array([1 if shape is None else 2]), t[shape] * 1.2)
+    for _ in range(3):
+        p.observe(1, CHAINS[1], np.array([2]), t[CHAINS[1]] * 1.2)
+    assert [p.choose(1) for _ in range(8)] == [CHAINS[1]] * 8  # all measured: nothing left to doubt
