@@ -253,7 +253,8 @@ class AutoPolicy:
     - Exploration: every ``explore_every`` steps of a bucket, the option with the best
       optimistic rate (one posterior standard deviation up, and ``timing_doubt`` faster
       while its step time is only the calibration's) runs once if that beats the
-      current one's prediction, so a prior that was wrong is corrected and stale
+      current one's prediction (the plain step first, until it has been timed in the
+      loop: it is the yardstick), so a prior that was wrong is corrected and stale
       timings are refreshed; the cost is at most one step in ``explore_every``.
     """
 
@@ -365,7 +366,8 @@ class AutoPolicy:
             per_bucket[b] = rounds
         rounds = min(per_bucket.values())
         self.calibration = Calibration(
-            {k: float(np.median(v)) for k, v in samples.items()}, rounds, time.perf_counter() - t0, self.calibration_budget_s
+            _monotone({k: float(np.median(v)) for k, v in samples.items()}, buckets, self.shapes),
+            rounds, time.perf_counter() - t0, self.calibration_budget_s,
         )
         return (f"calibrated {len(keys)} steps ({len(buckets)} batch buckets x {len(self.options())} options) in "
                 f"{self.calibration.wall_s:.1f} s (rounds after a warm-up per bucket: "
@@ -398,13 +400,18 @@ class AutoPolicy:
         else:
             self._challenger.pop(bucket, None)
         if n % self.explore_every == 0:
-            probe = self._probe(bucket, cur)
-            if probe is not None:
+            worth, probe = self._probe(bucket, cur)
+            if worth:
                 return probe
         return cur
 
-    def _probe(self, bucket: int, cur):
-        """The option worth one exploratory step, or None."""
+    def _probe(self, bucket: int, cur) -> tuple[bool, SpeculativeConfig | None]:
+        """(True, the option worth one exploratory step; None is plain) or (False, None)."""
+        plain_timed = self._ratio.get((bucket, None))
+        if cur is not None and (plain_timed is None or plain_timed[1] < 3):
+            # The plain step is the yardstick every speculative shape must beat: measure it
+            # in the real loop too (a plain step is the cheapest one to try).
+            return True, None
         here = self.predicted_tokens_per_second(bucket, cur)
         hopes = {}
         for o in self.options():
@@ -418,7 +425,7 @@ class AutoPolicy:
                 hope *= 1.0 + self.timing_doubt
             hopes[o] = hope
         o = max(hopes, key=hopes.get)
-        return o if hopes[o] > here else None
+        return (True, o) if hopes[o] > here else (False, None)
 
     def observe(self, bucket: int, shape: SpeculativeConfig | None, accept_lengths: np.ndarray, step_s: float | None) -> None:
         acc = np.asarray(accept_lengths, np.int64)
@@ -460,6 +467,22 @@ class AutoPolicy:
     def describe(self) -> str:
         return (f"auto over plain and {', '.join(s.shape for s in self.shapes)} (acceptance prior: {self.prior_source}; "
                 f"margin {self.margin:g}, hysteresis {self.hysteresis}, explore every {self.explore_every} steps)")
+
+
+def _monotone(seconds: dict, buckets: Sequence[int], shapes: Sequence[SpeculativeConfig]) -> dict:
+    """Timings made consistent with the work each step does, since a few noisy rounds can
+    order them wrongly: a speculative step does the plain step's forward and more, and a
+    chain of S+1 steps does what one of S does and more, so neither may come out cheaper
+    (each is raised to the larger of the two)."""
+    out = dict(seconds)
+    chains = sorted((s for s in shapes if s.is_chain), key=lambda s: s.num_steps)
+    for b in buckets:
+        plain = out[(b, None)]
+        for s in shapes:
+            out[(b, s)] = max(out[(b, s)], plain)
+        for lo, hi in zip(chains, chains[1:]):
+            out[(b, hi)] = max(out[(b, hi)], out[(b, lo)])
+    return out
 
 
 def _name(shape: SpeculativeConfig | None) -> str:

@@ -189,6 +189,7 @@ def main():
             "auto_vs_plain": a["tokens_per_s"] / res["plain"]["tokens_per_s"],
             "auto_ran": dict(ran), "auto_chosen": report.get("chosen"),
             "auto_predicted_tokens_per_s": report.get("predicted_tokens_per_second"),
+            "auto_report": report,  # its step times (calibrated, then measured), accept lengths, measured tok/s
         })
         print(f"batch {b:>3}: plain {res['plain']['tokens_per_s']:.1f}, best fixed {best} {fixed[best]:.1f}, "
               f"auto {a['tokens_per_s']:.1f} tok/s (x{rows[-1]['auto_vs_best_fixed']:.3f} best, x{rows[-1]['auto_vs_plain']:.3f} "

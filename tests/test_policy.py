@@ -125,6 +125,8 @@ def test_exploration_tries_an_untested_tree():
     ``explore_every`` steps while its optimistic rate beats the current choice."""
     p = AutoPolicy((CHAINS[0], TREE), prior=[0.6, 0.5, 0.4], prior_weight=EXACT, explore_every=5)
     p.calibrate(_times(plain_ms=10, per_token_ms=2, tree_ms=16), buckets=[1])
+    for _ in range(3):  # plain timed in the loop (else it is what exploration measures first)
+        p.observe(1, None, np.array([1]), 0.010)
     picks = [p.choose(1) for _ in range(10)]
     assert picks[4] == TREE and picks[9] == TREE and picks.count(TREE) == 2
     # The tree accepts everything it drafts: its estimate rises and it becomes the choice.
@@ -271,3 +273,13 @@ def test_exploration_measures_a_close_competitor_timed_only_at_start_up():
     for _ in range(3):
         p.observe(1, CHAINS[1], np.array([2]), t[CHAINS[1]] * 1.2)
     assert [p.choose(1) for _ in range(8)] == [CHAINS[1]] * 8  # all measured: nothing left to doubt
+
+
+def test_calibration_noise_cannot_make_more_work_cheaper():
+    """A speculative step is never timed below the plain step, nor a longer chain below a
+    shorter one, whatever a noisy round measured."""
+    noisy = {None: 0.056, CHAINS[0]: 0.054, CHAINS[1]: 0.053, CHAINS[2]: 0.070, TREE: 0.050}
+    p = AutoPolicy((CHAINS[0], CHAINS[1], CHAINS[2], TREE), prior=[0.5, 0.5, 0.5], prior_weight=EXACT)
+    p.calibrate(lambda b, s: noisy[s], buckets=[1])
+    got = {s: p.step_seconds(1, s) for s in (None, CHAINS[0], CHAINS[1], CHAINS[2], TREE)}
+    assert got == {None: 0.056, CHAINS[0]: 0.056, CHAINS[1]: 0.056, CHAINS[2]: 0.070, TREE: 0.056}
