@@ -253,8 +253,7 @@ class AutoPolicy:
     - Exploration: every ``explore_every`` steps of a bucket, the option with the best
       optimistic rate (one posterior standard deviation up, and ``timing_doubt`` faster
       while its step time is only the calibration's) runs once if that beats the
-      current one's prediction (the plain step first, until it has been timed in the
-      loop: it is the yardstick), so a prior that was wrong is corrected and stale
+      current one's prediction, so a prior that was wrong is corrected and stale
       timings are refreshed; the cost is at most one step in ``explore_every``.
     """
 
@@ -303,6 +302,7 @@ class AutoPolicy:
         self._current: dict = {}  # bucket -> the choice in force
         self._challenger: dict = {}  # bucket -> (option, consecutive steps it was predicted better)
         self._steps: dict = {}  # bucket -> steps chosen
+        self._last_observed: dict = {}  # bucket -> the shape of the step observed last
         self.measured: dict = {}  # (bucket, shape) -> [tokens, seconds, steps] over timed steps
 
     # -- the model
@@ -407,11 +407,6 @@ class AutoPolicy:
 
     def _probe(self, bucket: int, cur) -> tuple[bool, SpeculativeConfig | None]:
         """(True, the option worth one exploratory step; None is plain) or (False, None)."""
-        plain_timed = self._ratio.get((bucket, None))
-        if cur is not None and (plain_timed is None or plain_timed[1] < 3):
-            # The plain step is the yardstick every speculative shape must beat: measure it
-            # in the real loop too (a plain step is the cheapest one to try).
-            return True, None
         here = self.predicted_tokens_per_second(bucket, cur)
         hopes = {}
         for o in self.options():
@@ -431,7 +426,14 @@ class AutoPolicy:
         acc = np.asarray(accept_lengths, np.int64)
         if shape is not None and acc.size:
             self._family(shape).add(acc, shape.num_steps)
+        previous = self._last_observed.get(bucket, _UNSET)
+        self._last_observed[bucket] = shape
         if step_s is None or self.calibration is None or (bucket, shape) not in self.calibration.seconds:
+            return
+        if previous != shape:
+            # The first step after a switch (an exploration probe, a change of choice) is
+            # not what the shape costs in steady state: a lone plain step between
+            # speculative ones measured 17x a steady one on a tiny model. Not counted.
             return
         m = self.measured.setdefault((bucket, shape), [0, 0.0, 0])
         m[0] += int(acc.sum()) if acc.size else 0
@@ -483,6 +485,9 @@ def _monotone(seconds: dict, buckets: Sequence[int], shapes: Sequence[Speculativ
         for lo, hi in zip(chains, chains[1:]):
             out[(b, hi)] = max(out[(b, hi)], out[(b, lo)])
     return out
+
+
+_UNSET = object()
 
 
 def _name(shape: SpeculativeConfig | None) -> str:

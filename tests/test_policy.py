@@ -106,17 +106,20 @@ def test_hysteresis_and_measured_step_times():
     assert p.choose(1) == s1  # 1.9 / 15 ms beats 1 / 10 ms
     # The chain's steps turn out to cost 3x the calibrated time: after three measurements
     # its own ratio applies and plain is predicted better; the switch waits for 3 steps.
-    for _ in range(3):
+    for _ in range(4):  # the first after a switch is not steady state: three count
         p.observe(1, s1, np.array([2]), 0.045)
     assert p.step_seconds(1, s1) == pytest.approx(0.045)
     assert p.step_seconds(1, None) == pytest.approx(0.045 / 0.015 * 0.010)  # the bucket's ratio
     # Plain gets its own measurements at the calibrated time: only the chain is slow.
-    for _ in range(3):
+    for _ in range(4):
         p.observe(1, None, np.array([1]), 0.010)
     assert p.step_seconds(1, None) == pytest.approx(0.010)
     assert [p.choose(1) for _ in range(4)] == [s1, s1, None, None]
     summary = p.report()[1]
     assert summary["measured_tokens_per_second"]["chain S=1"] == pytest.approx(2 / 0.045, abs=0.01)
+    # A lone step after a switch is not counted: a probe cannot skew the steady-state time.
+    p.observe(1, s1, np.array([2]), 9.0)
+    assert p.step_seconds(1, s1) == pytest.approx(0.045)
     assert summary["step_ms"]["plain"] == pytest.approx(10.0)
 
 
@@ -125,7 +128,7 @@ def test_exploration_tries_an_untested_tree():
     ``explore_every`` steps while its optimistic rate beats the current choice."""
     p = AutoPolicy((CHAINS[0], TREE), prior=[0.6, 0.5, 0.4], prior_weight=EXACT, explore_every=5)
     p.calibrate(_times(plain_ms=10, per_token_ms=2, tree_ms=16), buckets=[1])
-    for _ in range(3):  # plain timed in the loop (else it is what exploration measures first)
+    for _ in range(3):  # plain measured in the loop
         p.observe(1, None, np.array([1]), 0.010)
     picks = [p.choose(1) for _ in range(10)]
     assert picks[4] == TREE and picks[9] == TREE and picks.count(TREE) == 2
@@ -267,11 +270,9 @@ def test_exploration_measures_a_close_competitor_timed_only_at_start_up():
     assert p.best(1) == CHAINS[1]
     picks = [p.choose(1) for _ in range(4)]
     assert picks[3] in (None, CHAINS[0])  # the untimed competitors are worth one real step
-    for shape in (None, CHAINS[0]):
-        for _ in range(3):
+    for shape in (None, CHAINS[0], CHAINS[1]):
+        for _ in range(4):  # steady runs of each (the first after a switch does not count)
             p.observe(1, shape, np.array([1 if shape is None else 2]), t[shape] * 1.2)
-    for _ in range(3):
-        p.observe(1, CHAINS[1], np.array([2]), t[CHAINS[1]] * 1.2)
     assert [p.choose(1) for _ in range(8)] == [CHAINS[1]] * 8  # all measured: nothing left to doubt
 
 
