@@ -43,14 +43,7 @@ from eagle_jax.spec_config import SpeculativeConfig, parse_shape
 from eagle_jax.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def repo_path(path: Path) -> str:
-    """``path`` relative to the repository when inside it, else its last component, so
-    results/ files hold no machine's absolute paths."""
-    resolved = Path(path).resolve()
-    return resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else resolved.name
+from bench_engine import REPO, repo_path  # noqa: E402  (scripts/ is on the path when run as a script)
 
 
 def fingerprint() -> dict:
