@@ -135,8 +135,17 @@ def jax_info() -> dict[str, Any]:
         # JAX_PLATFORMS=cuda without a visible GPU ends in a bare AssertionError: say why.
         detail = str(e) or f"no platform started (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r})"
         return {"error": f"{type(e).__name__}: {detail}"}
+    from eagle_jax import cpu_matmul
+    from eagle_jax.errors import ConfigError
+
+    try:
+        _, matmul = cpu_matmul.status(jax.default_backend())
+    except ConfigError as e:  # EAGLE_JAX_CPU_MATMUL=packed and no kernel: the finding
+        matmul = f"error: {e}"
+    lib = cpu_matmul.library_path()
     return {
         "backend": jax.default_backend(),
+        "matrix_products": matmul + (f" ({lib})" if lib is not None else ""),
         "platform_version": backend.platform_version,
         "device_count": jax.device_count(),
         "devices": [{"id": d.id, "kind": d.device_kind, "platform": d.platform} for d in devices],
@@ -556,6 +565,7 @@ def _jax_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
     return [
         ("backend", f"{info['backend']} ({info['platform_version']})"),
         ("devices", f"{info['device_count']}: {devices}"),
+        ("matrix products", info["matrix_products"]),
         ("default dtype", info["default_dtype"]),
         ("x64", info["x64"]),
     ]

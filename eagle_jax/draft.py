@@ -24,6 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.config import ModelConfig, RopeScaling
+from eagle_jax.cpu_matmul import matmul
 from eagle_jax.errors import ConfigError
 from eagle_jax.model import MLP, Attention, KVCache, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 
@@ -305,7 +306,7 @@ class Eagle3Draft(nnx.Module):
 
     def logits(self, h: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
         """Draft-vocabulary logits (float32) of a pre-norm draft output."""
-        return (self.norm(h) @ self.lm_head[...]).astype(jnp.float32)
+        return matmul(self.norm(h), self.lm_head[...]).astype(jnp.float32)
 
     def draft_to_target(self, ids: Int[Array, "..."]) -> Int[Array, "..."]:
         """Map draft-vocabulary ids to target-vocabulary ids."""

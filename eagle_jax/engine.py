@@ -951,7 +951,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
         f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "
         f"devices {[str(d) for d in jax.devices()]}; kernels {config.kernel_impl}; verify attention "
-        f"{table.verify_attention_path()}; NaN check {'on' if config.detect_nan else 'off'}"
+        f"{table.verify_attention_path()}; matrix products: {table.matmul_path}; NaN check {'on' if config.detect_nan else 'off'}"
         + feature_note
         + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
            if config.time_phases else "")

@@ -10,7 +10,9 @@ Layout choices, measured on CPU (see ../shared/docs/jax-notes.md):
   and scanning costs ~40% at batch-1 decode);
 - the KV cache is one (k, v) pair of arrays per layer, donated by the jitted callers;
 - the output head is a pre-transposed ``[H, V]`` array even when tied (``x @ emb.T``
-  transposes the embedding on every call); the loader fills it from the embedding.
+  transposes the embedding on every call); the loader fills it from the embedding;
+- a step table on a CPU binds the Linear kernels and the head packed into column panels
+  (``cpu_matmul``), so a verify forward of a few tokens streams each weight once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from eagle_jax.cpu_matmul import matmul, pack_params, packed_matmul
 from eagle_jax.target import ArraySpec, TargetFamily, register_target
 from pallas_kernels.tree_attention import tree_attention
 
@@ -135,7 +138,11 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)`` with the kernel stored ``[in, out]``."""
+    """``y = x @ kernel (+ bias)`` with the kernel stored ``[in, out]``.
+
+    A step table on a CPU binds the kernel packed into column panels (``[P, in, nb]``,
+    ``cpu_matmul.pack_params``); the product then runs through the packed-weight kernel.
+    """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
@@ -143,7 +150,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
-        y = x @ self.kernel[...]
+        y = matmul(x, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -407,13 +414,16 @@ class LlamaModel(nnx.Module):
         return self.norm(h), features, KVCache(k=new_k, v=new_v)
 
     def logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
+        head = self.lm_head[...]
+        if head.ndim == 3:  # packed for the CPU kernel (a step table's binding): any row count
+            return packed_matmul(hidden, head)
         if self.config.tie_word_embeddings and math.prod(hidden.shape[:-1]) > 1:
             # Several rows (a verify forward, a batch): contracting against the [V, H]
             # embedding beats the pre-transposed [H, V] product on XLA:CPU (SmolLM2's
             # 49152 x 576 head, 2-core Xeon: 14.1 vs 15.6 ms at 8 rows, 16.5 vs 22.9 at
             # 16, 36 vs 40 at 64); one row stays a matrix-vector product over [H, V].
             return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...]).astype(jnp.float32)
-        return (hidden @ self.lm_head[...]).astype(jnp.float32)
+        return (hidden @ head).astype(jnp.float32)
 
     def cache_spec(self, batch: int, max_len: int) -> KVCache:
         """The abstract KV cache (``ArraySpec`` leaves) for ``batch`` rows of ``max_len`` slots."""
@@ -471,8 +481,11 @@ class BoundModules:
     model), which is host time on the critical path of every decode step.
     """
 
-    def __init__(self, *modules: nnx.Module | None):
+    def __init__(self, *modules: nnx.Module | None, pack: bool = False):
+        # pack: bind float32 Linear kernels and heads as CPU column panels (inference only;
+        # ``cpu_matmul``); ``packed`` counts them.
         self._graphs, self._treedefs, params = [], [], []
+        self.packed = 0
         for m in modules:
             if m is None:
                 self._graphs.append(None)
@@ -480,6 +493,9 @@ class BoundModules:
                 params.append(())
                 continue
             graph, state = nnx.split(m)
+            if pack:
+                state, n = pack_params(state)
+                self.packed += n
             leaves, treedef = jax.tree.flatten(state)
             self._graphs.append(graph)
             self._treedefs.append(treedef)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from eagle_jax import cpu_matmul
 from eagle_jax.draft import Eagle3Draft
 from eagle_jax.errors import ConfigError, EagleJaxError
 from eagle_jax.model import BoundModules
@@ -149,7 +150,12 @@ class StepTable:
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
         }
-        self._bound = BoundModules(target, draft)
+        # On a CPU the weight products run through the packed-weight kernel when it builds
+        # (cpu_matmul: a verify forward of a few rows then costs about one plain step).
+        self.packed_matmul, self.matmul_path = cpu_matmul.status(self.backend)
+        self._bound = BoundModules(target, draft, pack=self.packed_matmul)
+        if self.packed_matmul:
+            self.matmul_path += f", {self._bound.packed} matrices packed"
         self._rep = NamedSharding(self.mesh, PartitionSpec())
         self.params = jax.device_put(self._bound.params, self._rep)
         self._specs = {b: self._state_spec(b) for b in set(self.batch_buckets) | self._prefill_sizes()}

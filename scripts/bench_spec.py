@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax import cpu_matmul
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
@@ -117,7 +118,7 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
                   max_seq_len=CACHE_LEN, prefill_token_budget=b * PROMPT_LEN, plain=False, sampled=False,
                   cache_align=CACHE_ALIGN)
     t.build()
-    bd, bt = BoundModules(draft), BoundModules(target)
+    bd, bt = BoundModules(draft, pack=t.packed_matmul), BoundModules(target, pack=t.packed_matmul)
     (dp,), (tp,) = bd.params, bt.params
     samp = SamplingArrays.build([SamplingParams()] * b, b)  # for the phases jitted below
     t_samp = t.sampling([SamplingParams()] * b, b)
@@ -193,11 +194,14 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
     return step, phases
 
 
-def body_matmul_ms(target, rows: int, repeats: int) -> float:
+def body_matmul_ms(target, rows: int, repeats: int, packed: bool = False) -> float:
     """Median ms of the target body's weight matrix products alone on ``rows`` activation
     rows: every layer's ``[in, out]`` kernels (attention q/k/v/o, MLP gate/up/down) in one
-    jitted graph, each applied to its own input, so nothing but the products is timed."""
+    jitted graph, each applied to its own input, so nothing but the products is timed.
+    ``packed``: through the packed-weight CPU kernel (``cpu_matmul``) instead of XLA's dot."""
     from flax import nnx
+
+    from eagle_jax import cpu_matmul
 
     kernels = [
         v[...] for path, v in nnx.to_flat_state(nnx.state(target, nnx.Param))
@@ -205,7 +209,9 @@ def body_matmul_ms(target, rows: int, repeats: int) -> float:
     ]
     rng = np.random.default_rng(0)
     xs = [jnp.asarray(rng.standard_normal((rows, w.shape[0]), dtype=np.float32)).astype(w.dtype) for w in kernels]
-    products = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
+    if packed:
+        kernels = [cpu_matmul.pack(w) for w in kernels]
+    products = jax.jit(lambda xs, ws: [cpu_matmul.matmul(x, w) for x, w in zip(xs, ws)])
 
     def run():
         jax.block_until_ready(products(xs, kernels))
@@ -250,9 +256,13 @@ def main():
     chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in QUESTIONS]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M float32; "
           f"random draft, draft vocab {args.draft_vocab}; context {CACHE_LEN}; medians of {args.repeats}")
-    m1, m6 = body_matmul_ms(target, 1, args.repeats), body_matmul_ms(target, 6, args.repeats)
-    body_matmuls = {"rows_1_ms": m1, "rows_6_ms": m6, "ratio_6_vs_1": m6 / m1}
-    print(f"body matrix products alone: {m1:.2f} ms on 1 row, {m6:.2f} ms on 6 rows ({m6 / m1:.2f}x)")
+    packed, path = cpu_matmul.status()
+    print(f"matrix products in the steps: {path}")
+    body_matmuls = {"path": path}
+    for label, pk in (("xla", False), ("packed", True)) if packed else (("xla", False),):
+        m1, m6 = body_matmul_ms(target, 1, args.repeats, pk), body_matmul_ms(target, 6, args.repeats, pk)
+        body_matmuls[label] = {"rows_1_ms": m1, "rows_6_ms": m6, "ratio_6_vs_1": m6 / m1}
+        print(f"body matrix products alone ({label}): {m1:.2f} ms on 1 row, {m6:.2f} ms on 6 rows ({m6 / m1:.2f}x)")
     results = []
     for b in args.batches:
         prompts = [chat[i % len(chat)] for i in range(b)]
@@ -270,8 +280,10 @@ def main():
         slowdown = r["plain"] / r["spec"]
         be = next(x["break_even_accept_length"] for x in results if x["batch"] == b and x["config"] == name(cfg)) if any(
             x["batch"] == b and x["config"] == name(cfg) for x in results) else float("nan")
+        predicted = (f"predicted {be / r['mean_accept']:.2f}x" if be == be
+                     else f"no prediction ({name(cfg)} is not among --configs)")
         print(f"  random draft, {name(cfg)}: plain {r['plain']:.1f} tok/s, speculative {r['spec']:.1f} tok/s "
-              f"(mean accept {r['mean_accept']:.3f}): slowdown {slowdown:.2f}x vs predicted {be / r['mean_accept']:.2f}x")
+              f"(mean accept {r['mean_accept']:.3f}): slowdown {slowdown:.2f}x, {predicted}")
         results.append({"batch": b, "random_draft_check": name(cfg), **r, "slowdown": slowdown, "predicted": be / r["mean_accept"]})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"jax": jax.__version__, "draft_vocab": args.draft_vocab, "context": CACHE_LEN,

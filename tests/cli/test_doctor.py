@@ -197,6 +197,9 @@ def test_environment_and_devices(report):
     jax_report = report["jax"]
     assert jax_report["device_count"] == len(jax_report["devices"]) >= 1
     assert jax_report["default_dtype"] in ("float32", "bfloat16")
+    # On this CPU the packed-weight kernel builds; the doctor names the library file.
+    assert jax_report["matrix_products"].startswith("packed-weight CPU kernel"), jax_report["matrix_products"]
+    assert ".so)" in jax_report["matrix_products"]
 
 
 def test_good_model_and_draft_pass(report, model_dir, draft_dir):

@@ -1,0 +1,135 @@
+// Float32 matrix products against pre-packed weights, for XLA:CPU through the XLA FFI.
+//
+// Why: XLA:CPU runs a product of a few rows (a verify forward: 4 to 16 tokens) through a
+// general GEMM that re-packs the weights on every call, so 8 rows cost 2.5-3x one row
+// although both only have to stream the weights once from memory. Here the weights are
+// packed once, at load, into panels of NB columns ([P, K, NB], P = N / NB), and a panel
+// is streamed contiguously while MR rows accumulate in registers: a product costs about
+// one pass over the weights for any row count up to a few dozen.
+//
+// Each output element is the same chain of fused multiply-adds over k = 0..K-1, whatever
+// the row count, the block a row falls in, or the thread: a row's result does not
+// depend on which other rows share the call (plain and verify steps agree bit for bit).
+//
+// Built by eagle_jax/cpu_matmul.py with -march=native on the machine that runs it.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+constexpr int NV = 4;   // vectors per panel row
+constexpr int MR = 6;   // rows per register block: of 32 registers, 24 accumulators, 4 weights
+#else
+constexpr int VW = 8;
+constexpr int NV = 2;
+constexpr int MR = 6;   // of 16 registers: 12 accumulators, 2 weights, 1 broadcast
+#endif
+constexpr int NB = NV * VW;      // panel width, in columns
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof(vf)); return v; }
+static inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+
+// y[0:R, n0:n0+NB] = x[0:R, :] @ panel, the panel [K, NB] contiguous.
+template <int R>
+static inline void block(const float* __restrict x, const float* __restrict panel, float* __restrict y,
+                         int64_t K, int64_t N, int64_t n0) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf wk[NV];
+    for (int v = 0; v < NV; ++v) wk[v] = loadu(panel + k * NB + v * VW);
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * K + k];
+      for (int v = 0; v < NV; ++v) acc[r][v] += xs * wk[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) storeu(y + r * N + n0 + v * VW, acc[r][v]);
+}
+
+template <int R>
+static void rows_tail(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t n0, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) block<R>(x, panel, y, K, N, n0);
+    else rows_tail<R - 1>(x, panel, y, K, N, n0, rows);
+  }
+}
+
+// Panels p0..p1 for every row.
+static void panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = w + p * K * NB;
+    const int64_t n0 = p * NB;
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) block<MR>(x + m * K, panel, y + m * N, K, N, n0);
+    if (m < M) rows_tail<MR - 1>(x + m * K, panel, y + m * N, K, N, n0, M - m);
+  }
+}
+
+// Work shared with XLA's intra-op thread pool without blocking on it: chunks of panels
+// are claimed from a counter by the calling thread and by any helper task that gets to
+// run; the caller waits only for chunks a helper has already claimed, so a helper that
+// is still queued (every pool thread busy) never holds the call up. The state is shared
+// so that a helper which starts after the call returned finds no chunk and leaves.
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, P, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+  void work() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      panels(x, w, y, M, K, N, P * c / chunks, P * (c + 1) / chunks);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                               ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != NB || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("eagle_packed_matmul: expects x [M, K] and w [P, K, NB] with the library's NB");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], N = P * NB;
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != N)
+    return ffi::Error::InvalidArgument("eagle_packed_matmul: output must be [M, P * NB]");
+  if (M == 0 || P == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // A few chunks per thread balance the load; a chunk is never less than a panel.
+  const int64_t chunks = std::min<int64_t>(P, threads == 1 ? 1 : 4 * threads);
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->M = M; job->K = K; job->N = N; job->P = P; job->chunks = chunks;
+  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < chunks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul, PackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The panel width this build packs for (the Python side packs to match).
+extern "C" int eagle_packed_matmul_nb() { return NB; }

@@ -1,0 +1,101 @@
+"""The packed-weight CPU matmul (eagle_jax/cpu_matmul.cc through the XLA FFI).
+
+It must build here (the machine has a C++ compiler; a failed build is a test failure,
+not a skip), agree with XLA's dot, give each row the same bits whatever the other rows
+in the call, and leave a model's outputs unchanged when a step table binds packed
+weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax import cpu_matmul
+from eagle_jax.errors import ConfigError
+
+
+def test_builds_and_reports():
+    use, line = cpu_matmul.status("cpu")
+    assert use, line
+    assert "packed-weight CPU kernel" in line
+    assert cpu_matmul.panel_width() in (16, 64)
+    assert cpu_matmul.status("gpu") == (False, "XLA dot (gpu)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 33, 200])
+def test_matches_xla_dot(rows):
+    nb = cpu_matmul.panel_width()
+    rng = np.random.default_rng(rows)
+    k, n = 96, 3 * nb
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    wp = cpu_matmul.pack(w)
+    assert wp.shape == (3, k, nb)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(wp)), w)
+    got = np.asarray(jax.jit(cpu_matmul.packed_matmul)(jnp.asarray(x), wp))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_independent_of_the_call_and_leading_dims():
+    """A verify forward's rows get the bits a one-row plain step would give them."""
+    nb = cpu_matmul.panel_width()
+    rng = np.random.default_rng(0)
+    w = cpu_matmul.pack(rng.standard_normal((576, 4 * nb)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, 9, 576)).astype(np.float32))
+    f = jax.jit(cpu_matmul.packed_matmul)
+    many = np.asarray(f(x, w))
+    assert many.shape == (2, 9, 4 * nb)
+    for b in range(2):
+        for t in range(9):
+            np.testing.assert_array_equal(np.asarray(f(x[b, t][None], w))[0], many[b, t])
+
+
+def test_pack_refuses_what_does_not_fit():
+    nb = cpu_matmul.panel_width()
+    with pytest.raises(ConfigError, match="cannot pack"):
+        cpu_matmul.pack(np.zeros((8, nb + 1), np.float32))
+    assert not cpu_matmul.packable(np.zeros((8, nb + 1), np.float32))
+    assert not cpu_matmul.packable(jnp.zeros((8, nb), jnp.bfloat16))
+
+
+def test_mode_env(monkeypatch):
+    monkeypatch.setenv("EAGLE_JAX_CPU_MATMUL", "xla")
+    assert cpu_matmul.status("cpu") == (False, "XLA dot (EAGLE_JAX_CPU_MATMUL=xla)")
+    monkeypatch.setenv("EAGLE_JAX_CPU_MATMUL", "fast")
+    with pytest.raises(ConfigError, match="must be one of"):
+        cpu_matmul.status("cpu")
+
+
+def test_packed_model_matches_unpacked():
+    """Every Linear kernel and both heads packed: the target's logits and the draft's
+    are those of the unpacked modules."""
+    from eagle_jax.checkpoint.draft_io import random_draft
+    from eagle_jax.config import ModelConfig
+    from eagle_jax.model import BoundModules, KVCache, LlamaModel, causal_mask
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    target = LlamaModel(cfg)
+    draft = random_draft(cfg, seed=0, draft_vocab_size=128)
+    plain, packed = BoundModules(target, draft), BoundModules(target, draft, pack=True)
+    assert packed.packed > 0 and plain.packed == 0
+    assert any(p.ndim == 3 for p in packed.params[0])
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+
+    @jax.jit
+    def run(params):
+        t, d = bound.modules(params)
+        h, _, _ = t(tokens, pos, KVCache.zeros(cfg, 2, 16), pos, causal_mask(pos, 16))
+        return t.logits(h), d.logits(h[..., : d.config.hidden_size])
+
+    bound = plain
+    want = [np.asarray(a) for a in run(plain.params)]
+    bound = packed
+    got = [np.asarray(a) for a in run(packed.params)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
