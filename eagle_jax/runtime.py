@@ -153,6 +153,9 @@ class StepTable:
         # On a CPU the weight products run through the packed-weight kernel when it builds
         # (cpu_matmul: a verify forward of a few rows then costs about one plain step).
         self.packed_matmul, self.matmul_path = cpu_matmul.status(self.backend)
+        if self.packed_matmul and self.mesh.size > 1:
+            # GSPMD cannot partition a custom call: a sharded table needs it under shard_map.
+            self.packed_matmul, self.matmul_path = False, f"XLA dot (packed kernel is single-device; mesh of {self.mesh.size})"
         self._bound = BoundModules(target, draft, pack=self.packed_matmul)
         if self.packed_matmul:
             self.matmul_path += f", {self._bound.packed} matrices packed"
