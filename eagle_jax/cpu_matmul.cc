@@ -4,8 +4,9 @@
 // general GEMM that re-packs the weights on every call, so 8 rows cost 2.5-3x one row
 // although both only have to stream the weights once from memory. Here the weights are
 // packed once, at load, into panels of NB columns ([P, K, NB], P = N / NB), and a panel
-// is streamed contiguously while MR rows accumulate in registers: a product costs about
-// one pass over the weights for any row count up to a few dozen.
+// is streamed contiguously while MR rows accumulate in registers, so each weight is read
+// from memory once per call whatever the row count (at 8 rows the FMAs, not memory,
+// then bound it).
 //
 // Each output element is the same chain of fused multiply-adds over k = 0..K-1, whatever
 // the row count, the block a row falls in, or the thread: a row's result does not

@@ -201,8 +201,6 @@ def body_matmul_ms(target, rows: int, repeats: int, packed: bool = False) -> flo
     ``packed``: through the packed-weight CPU kernel (``cpu_matmul``) instead of XLA's dot."""
     from flax import nnx
 
-    from eagle_jax import cpu_matmul
-
     kernels = [
         v[...] for path, v in nnx.to_flat_state(nnx.state(target, nnx.Param))
         if "layers" in path and path[-1] == "kernel" and v[...].ndim == 2
