@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import jax
@@ -168,11 +169,25 @@ def packed_matmul(x: jax.Array, wp: jax.Array) -> jax.Array:
     return y.reshape(*lead, p * nb)
 
 
+# id(source array) -> its packed copy, dropped when the source is collected: every step
+# table built over one target (a Generator keeps one engine per call shape) shares one
+# packed copy instead of packing, and holding, its own.
+_PACKED: dict[int, jax.Array] = {}
+
+
+def _packed_once(w: jax.Array) -> jax.Array:
+    key = id(w)
+    if key not in _PACKED:
+        _PACKED[key] = pack(w)
+        weakref.finalize(w, _PACKED.pop, key, None)
+    return _PACKED[key]
+
+
 def pack_params(state) -> tuple[object, int]:
     """A copy of an NNX state whose float32 Linear kernels (``...kernel`` leaves, and the
     ``lm_head`` arrays) are packed; returns (state, number packed). Modules merged from
     it run those products through ``packed_matmul`` (``Linear`` and the heads check the
-    kernel's rank)."""
+    kernel's rank). Each source array is packed once per process (``_packed_once``)."""
     count = 0
 
     def f(path, leaf):
@@ -182,7 +197,7 @@ def pack_params(state) -> tuple[object, int]:
             name = getattr(path[-2], "key", getattr(path[-2], "name", None))
         if name in ("kernel", "lm_head") and packable(leaf):
             count += 1
-            return pack(leaf)
+            return _packed_once(leaf)
         return leaf
 
     out = jax.tree_util.tree_map_with_path(f, state)

@@ -151,7 +151,7 @@ class StepTable:
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
         }
         # On a CPU the weight products run through the packed-weight kernel when it builds
-        # (cpu_matmul: a verify forward of a few rows then costs about one plain step).
+        # (cpu_matmul: XLA's GEMM re-packs the weights on every few-row product).
         self.packed_matmul, self.matmul_path = cpu_matmul.status(self.backend)
         if self.packed_matmul and self.mesh.size > 1:
             # GSPMD cannot partition a custom call: a sharded table needs it under shard_map.

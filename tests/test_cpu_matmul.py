@@ -84,6 +84,9 @@ def test_packed_model_matches_unpacked():
     plain, packed = BoundModules(target, draft), BoundModules(target, draft, pack=True)
     assert packed.packed > 0 and plain.packed == 0
     assert any(p.ndim == 3 for p in packed.params[0])
+    # A second binding of the same modules reuses the packed arrays instead of packing again.
+    again = BoundModules(target, draft, pack=True)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(packed.params)))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
 
