@@ -1,7 +1,7 @@
 // Float32 matrix products against pre-packed weights, for XLA:CPU through the XLA FFI.
 //
 // Why: XLA:CPU runs a product of a few rows (a verify forward: 4 to 16 tokens) through a
-// general GEMM that re-packs the weights on every call, so 8 rows cost 2.5-3x one row
+// general GEMM that re-packs the weights on every call, so 6 rows cost about 2x one row
 // although both only have to stream the weights once from memory. Here the weights are
 // packed once, at load, into panels of NB columns ([P, K, NB], P = N / NB), and a panel
 // is streamed contiguously while MR rows accumulate in registers, so each weight is read

@@ -1,12 +1,13 @@
 """Packed-weight matrix products for XLA:CPU (``cpu_matmul.cc`` through the XLA FFI).
 
 On a CPU a speculative step's verify forward runs 4 to 16 rows through every weight
-matrix. XLA:CPU's GEMM re-packs the weights on each call, so those few rows cost 2.5-3x
-a one-row decode step although both only need to stream the weights once (2-core Xeon,
-30 SmolLM2-shaped [576, 1536] matrices: 3.4 ms at 1 row, 11.5 at 8). With the weights
-packed once into column panels (``pack``), ``packed_matmul`` streams each panel once
-while the rows accumulate in registers (same matrices: 3.5 ms at 1 row, 8.1 at 8; at 8
-rows it is compute-bound, at about 40% of the CPU's FMA rate).
+matrix. XLA:CPU's GEMM re-packs the weights on each call, so those few rows cost about 2x
+a one-row decode step although both only need to stream the weights once. With the
+weights packed once into column panels (``pack``), ``packed_matmul`` streams each panel
+once while the rows accumulate in registers. SmolLM2's body products alone
+(``scripts/ab_cpu_matmul.sh``, ``results/cpu-matmul-ab/``, 2-core Xeon, AVX-512): XLA
+23.2 ms on 1 row and 45.4 / 43.0 on 6 (two rounds), packed 19.4 and 30.8 / 34.3. At a
+few rows the kernel is bound by its multiply-adds, not by memory.
 
 The kernel is compiled on first use with the system C++ compiler and ``-march=native``
 (AVX-512 or AVX2 code for the CPU at hand), cached by a hash of the source, compiler,
