@@ -221,9 +221,17 @@ def test_auto_engine_is_lossless_calibrated_and_compiles_nothing(target, auto_en
 
 def test_auto_with_a_random_draft_ends_plain(auto_engine):
     """A random draft accepts about nothing: whatever calibration said first, the policy
-    runs plain in the buckets it used once it has seen a few steps."""
+    runs plain in the buckets it used once it has seen a few steps.
+
+    How many steps that takes depends on how much dearer the speculative step is: with
+    the packed CPU matmul a tiny model's chain S=1 step costs only ~1.05x its plain step,
+    so the estimate must fall near 0 before plain wins by the margin (~25 steps from
+    the uninformed prior; one CI run took 31 of 120). Three requests of 80 tokens in a
+    row (the policy keeps what it learned) keep that transient under the 20% the
+    assertion allows."""
     eng, _ = auto_engine
-    eng.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=80, ignore_eos=True))
+    for _ in range(3):
+        eng.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=80, ignore_eos=True))
     report = eng.policy.report()
     assert report[4]["chosen"] == "plain", report[4]
     s = eng.metrics.summary()
