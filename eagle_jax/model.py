@@ -205,6 +205,82 @@ class PrefixMask:
         return (rel < 0) | ((rel < t) & inside)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepDiagonalMask:
+    """The mask of draft training's unrolled step ``step`` (``train.ttt``), as structure.
+
+    The cache holds block 0 (``length`` slots: the keys step 0 wrote at every position of
+    the sequence), then one block per later step (``rows`` slots each, at
+    ``length + (s - 1) * rows``: the keys step s wrote at each query row). Query row q
+    sits at sequence position ``anchors[b, q]`` and sees block-0 slots
+    ``0..anchors[b, q]`` (causal) and slot q of blocks 1..step (its own earlier steps).
+
+    ``anchors`` None: every position is a query row (``rows = length``, anchor q = q).
+    Built inside the traced training step, never passed to jit. ``dense`` gives the
+    equivalent boolean mask over the cache (for checks).
+    """
+
+    step: int
+    length: int
+    anchors: "Int[Array, 'B Q'] | None" = None
+
+    @property
+    def rows(self) -> int:
+        return self.length if self.anchors is None else self.anchors.shape[1]
+
+    def dense(self, slots: int) -> np.ndarray:
+        """``[B or 1, Q, slots]`` bool."""
+        n, q = self.length, self.rows
+        anchors = np.arange(n)[None] if self.anchors is None else np.asarray(self.anchors)
+        m = np.zeros((anchors.shape[0], q, slots), bool)
+        m[:, :, :n] = np.arange(n)[None, None, :] <= anchors[:, :, None]
+        for s in range(1, self.step + 1):
+            m[:, :, n + (s - 1) * q:n + s * q] |= np.eye(q, dtype=bool)
+        return m
+
+
+def step_diagonal_attention(
+    q: Float[Array, "B Q Hq D"],
+    k_cache: Float[Array, "B S Hkv D"],
+    v_cache: Float[Array, "B S Hkv D"],
+    mask: StepDiagonalMask,
+    scale: float,
+) -> Float[Array, "B Q Hq D"]:
+    """``masked_attention`` under ``mask.dense`` in O(Q * L + step * Q) per head instead
+    of O(Q * cache): the causal block-0 scores, plus one score per earlier step on the
+    diagonal, in one float32 softmax.
+
+    Training unrolls 7 steps: over a dense mask, 6/7 of the scores of the last step
+    are masked out, and the attention's share of a training step grows with
+    ``step * L``; here every step costs one ``Q x L`` block.
+    """
+    b, nq, hq, d = q.shape
+    n = mask.length
+    if nq != mask.rows:
+        raise ValueError(f"StepDiagonalMask of {mask.rows} rows used with {nq} queries")
+    hkv = k_cache.shape[2]
+    qg = q.reshape(b, nq, hkv, hq // hkv, d)
+    s0 = jnp.einsum("bikgd,bjkd->bkgij", qg, k_cache[:, :n], preferred_element_type=jnp.float32) * scale
+    if mask.anchors is None:
+        seen = jnp.tril(jnp.ones((n, n), bool))
+    else:
+        seen = (jnp.arange(n)[None, None, :] <= mask.anchors[:, :, None])[:, None, None]  # [B, 1, 1, Q, L]
+    s0 = jnp.where(seen, s0, -jnp.inf)
+    t = mask.step
+    if t == 0:
+        p = jax.nn.softmax(s0, axis=-1).astype(v_cache.dtype)
+        out = jnp.einsum("bkgij,bjkd->bikgd", p, v_cache[:, :n])
+        return out.reshape(b, nq, hq, d)
+    kd = k_cache[:, n:n + t * nq].reshape(b, t, nq, hkv, d)
+    vd = v_cache[:, n:n + t * nq].reshape(b, t, nq, hkv, d)
+    sd = jnp.einsum("bikgd,bsikd->bkgis", qg, kd, preferred_element_type=jnp.float32) * scale
+    p = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgij,bjkd->bikgd", p[..., :n], v_cache[:, :n]) + jnp.einsum(
+        "bkgis,bsikd->bikgd", p[..., n:], vd
+    )
+    return out.reshape(b, nq, hq, d)
+
+
 # Cache slots per step of prefix_attention's loop (fewer when the cache is shorter).
 PREFIX_BLOCK = 256
 
@@ -289,7 +365,7 @@ class Attention(nnx.Module):
         k_cache: Float[Array, "B S KV D"],
         v_cache: Float[Array, "B S KV D"],
         cache_slots: Int[Array, "B T"],
-        mask: "Bool[Array, 'B T S'] | PrefixMask | None",
+        mask: "Bool[Array, 'B T S'] | PrefixMask | StepDiagonalMask | None",
         tree: "TreeAttention | None" = None,
     ):
         b, t, _ = x.shape
@@ -308,6 +384,8 @@ class Attention(nnx.Module):
             out = tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
         elif isinstance(mask, PrefixMask):
             out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale)
+        elif isinstance(mask, StepDiagonalMask):
+            out = step_diagonal_attention(q, k_cache, v_cache, mask, scale)
         else:
             out = masked_attention(q, k_cache, v_cache, mask, scale)
         return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache

@@ -9,8 +9,11 @@ output back, exactly as it runs at inference (``speculative.draft_tree``):
   position i+t, predicts token_{i+t+2}, and attends to step-0 rows 0..i plus its own
   rows of steps 1..t (the draft KV it would have written while drafting).
 
-The draft's attention layer is run unchanged on a ``ttt_length * L``-slot KV cache with
-that mask, so training and inference share one implementation of the layer.
+The draft's layer is run unchanged on a ``ttt_length * L``-slot KV cache with that mask,
+so training and inference share one implementation of the layer. The mask reaches the
+attention as structure (``model.StepDiagonalMask``: a causal block plus a diagonal per
+earlier step), so a step's attention costs one ``L x L`` block, not ``L x ttt_length*L``;
+``attention="dense"`` keeps the boolean-mask path as the reference.
 
 Loss at step t: cross-entropy between the draft's distribution and the target's, both
 over the draft vocabulary, on positions whose predicted token is a response token and
@@ -33,7 +36,7 @@ from flax import nnx
 
 from eagle_jax.draft import DraftConfig, Eagle3Draft
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import KVCache, LlamaModel
+from eagle_jax.model import KVCache, LlamaModel, StepDiagonalMask
 from eagle_jax.train.data import FeatureSet
 
 log = logging.getLogger(__name__)
@@ -160,31 +163,80 @@ def _shift(x, k: int):
     return jnp.pad(x, pad)[:, k:k + x.shape[1]]
 
 
+def _gather_rows(x, idx):
+    """x[b, idx[b, q]] for x [B, L, ...] and idx [B, Q] (indices already in range)."""
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 def ttt_forward(
-    draft: Eagle3Draft, tokens: jax.Array, features: jax.Array, *, ttt_length: int
+    draft: Eagle3Draft, tokens: jax.Array, features: jax.Array, *, ttt_length: int,
+    attention: str = "diagonal", anchors: jax.Array | None = None,
 ) -> list[jax.Array]:
-    """The unrolled draft over every anchor: per step t, the draft's logits ``[B, L, Vd]``
-    at anchor i predict token ``i + t + 2`` (see the module docstring).
+    """The unrolled draft: per step t, the draft's logits ``[B, Q, Vd]`` at query row q
+    (anchor ``i = anchors[b, q]``) predict token ``i + t + 2`` (see the module docstring).
 
     Args:
       tokens: [B, L] the sequence's tokens (the true tokens are fed at every step).
       features: [B, L, F] the target's fused-layer features.
+      attention: ``"diagonal"`` (``model.StepDiagonalMask``: causal step-0 block plus
+        the diagonal of earlier steps, O(L^2) a step) or ``"dense"`` (the same mask as a
+        ``[L, ttt_length * L]`` array, O(ttt_length * L^2) a step; the reference).
+      anchors: [B, Q] (in [0, L)): the anchors to unroll from, e.g. only those whose
+        predictions reach the response. Step 0 still runs at every position (its keys
+        are every later query's context), but its logits and steps 1.. only at these.
+        None: every position (Q = L). Only with ``attention="diagonal"``.
     """
+    if attention not in ("diagonal", "dense"):
+        raise ConfigError(f"attention={attention!r} must be 'diagonal' or 'dense'")
+    if anchors is not None and attention != "diagonal":
+        raise ConfigError("anchors (a subset of query rows) need attention='diagonal'")
     b, width = tokens.shape
-    masks = ttt_mask(width, ttt_length)
-    anchors = jnp.arange(width)[None, :]
+    rows = width if anchors is None else anchors.shape[1]
+    masks = ttt_mask(width, ttt_length) if attention == "dense" else None
+    positions = jnp.broadcast_to(jnp.arange(width)[None, :], (b, width))
     dcfg = draft.config
-    shape = (b, ttt_length * width, dcfg.num_key_value_heads, dcfg.head_dim)
+    shape = (b, width + (ttt_length - 1) * rows, dcfg.num_key_value_heads, dcfg.head_dim)
     cache = KVCache(k=[jnp.zeros(shape, jnp.float32)], v=[jnp.zeros(shape, jnp.float32)])
     hidden = draft.fuse(features.astype(jnp.float32))
     out = []
     for t in range(ttt_length):
-        pos = jnp.broadcast_to(anchors + t, (b, width))
-        slots = jnp.broadcast_to(anchors + t * width, (b, width))
-        mask = jnp.broadcast_to(masks[t], (b, width, ttt_length * width))
-        hidden, cache = draft(_shift(tokens, t + 1), hidden, pos, cache, slots, mask)
+        if t == 0:
+            # Every position: block 0 of the cache holds the keys of the whole sequence.
+            pos, slots, nxt = positions, positions, _shift(tokens, 1)
+            mask = StepDiagonalMask(step=0, length=width) if masks is None else jnp.broadcast_to(
+                masks[0], (b, width, ttt_length * width))
+        else:
+            anc = positions if anchors is None else anchors
+            pos = anc + t
+            slots = width + (t - 1) * rows + jnp.broadcast_to(jnp.arange(rows)[None, :], (b, rows))
+            # The token fed at step t is token i+t+1 (0 past the end, as _shift pads).
+            nxt = jnp.where(anc + t + 1 < width, _gather_rows(tokens, jnp.minimum(anc + t + 1, width - 1)), 0)
+            if masks is not None:
+                mask = jnp.broadcast_to(masks[t], (b, width, ttt_length * width))
+            else:
+                mask = StepDiagonalMask(step=t, length=width, anchors=anchors)
+        hidden, cache = draft(nxt, hidden, pos, cache, slots, mask)
+        if t == 0 and anchors is not None:
+            hidden = _gather_rows(hidden, anchors)
         out.append(draft.logits(hidden))
     return out
+
+
+def query_anchors(prompt_lengths: jax.Array, width: int, rows: int, ttt_length: int) -> tuple[jax.Array, jax.Array]:
+    """The ``rows`` anchors of each sequence from ``prompt_length - ttt_length - 1`` (or 0) on:
+    the first anchor whose last unrolled step predicts a response token (an earlier one
+    predicts prompt tokens at every step, so it carries no loss). Returns (anchors
+    [B, rows] clipped into [0, width), real [B, rows]: False where the clipping repeated
+    an anchor)."""
+    raw = jnp.maximum(prompt_lengths[:, None] - ttt_length - 1, 0) + jnp.arange(rows)[None, :]
+    return jnp.minimum(raw, width - 1), raw < width
+
+
+def query_rows_needed(lengths: np.ndarray, prompt_lengths: np.ndarray, ttt_length: int) -> int:
+    """The fewest query rows (``query_anchors``) that keep every labelled anchor of these
+    sequences: anchors ``max(prompt_length - ttt_length - 1, 0) .. length - 3``."""
+    lengths, plens = np.asarray(lengths), np.asarray(prompt_lengths)
+    return int(np.max(lengths - 2 - np.maximum(plens - ttt_length - 1, 0)))
 
 
 def ttt_loss(
@@ -194,6 +246,8 @@ def ttt_loss(
     *,
     ttt_length: int,
     step_decay: float,
+    attention: str = "diagonal",
+    query_rows: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The TTT loss of one batch.
 
@@ -202,6 +256,10 @@ def ttt_loss(
       target_head: ``[Ht, Vd]`` the target's head columns of the draft vocabulary.
       batch: tokens [B, L], lengths [B], prompt_lengths [B], features [B, L, F],
         target_hidden [B, L, Ht], target_argmax [B, L].
+      query_rows: unroll only from the anchors ``prompt_length - ttt_length - 1 ...``
+        (``query_anchors``), this many per sequence (static). ``query_rows_needed`` of
+        the batch or more gives the loss of every position: the anchors left out have no
+        label at any step. None: every position.
 
     Returns:
       (weighted loss, {"loss": [ttt] per-step losses, "acc": [ttt] top-1 agreement with
@@ -212,17 +270,25 @@ def ttt_loss(
     lengths, plens = batch["lengths"][:, None], batch["prompt_lengths"][:, None]
     in_draft = draft.t2d[...]
     t2d_index = jnp.cumsum(in_draft) - 1  # draft id of each target id in the vocabulary
-    anchors = jnp.arange(width)[None, :]
+    if query_rows is None:
+        anchors, real = None, jnp.ones((1, width), bool)
+        anc = jnp.arange(width)[None, :]
+    else:
+        anchors, real = query_anchors(batch["prompt_lengths"], width, query_rows, ttt_length)
+        anc = anchors
     total = 0.0
     losses, accs, counts = [], [], []
-    for t, logits in enumerate(ttt_forward(draft, tokens, batch["features"], ttt_length=ttt_length)):
-        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, L, Vd]
-        # The target's prediction of token i+t+2 is made at position i+t+1.
-        t_hidden = _shift(batch["target_hidden"], t + 1).astype(jnp.float32)
-        t_argmax = _shift(batch["target_argmax"], t + 1)
-        p_target = jax.nn.softmax(jax.lax.stop_gradient(t_hidden @ target_head), axis=-1)
-        label_pos = anchors + t + 2
-        valid = (label_pos < lengths) & (label_pos >= plens) & in_draft[t_argmax]
+    # The target's distribution, once: step t reads it at i + t + 1 (the target's
+    # prediction of token i+t+2 is made at position i+t+1).
+    p_all = jax.nn.softmax(jax.lax.stop_gradient(batch["target_hidden"].astype(jnp.float32) @ target_head), axis=-1)
+    steps = ttt_forward(draft, tokens, batch["features"], ttt_length=ttt_length, attention=attention, anchors=anchors)
+    for t, logits in enumerate(steps):
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, Q, Vd]
+        at = jnp.minimum(anc + t + 1, width - 1)
+        t_argmax = _gather_rows(batch["target_argmax"], jnp.broadcast_to(at, logits.shape[:2]))
+        p_target = _gather_rows(p_all, jnp.broadcast_to(at, logits.shape[:2]))
+        label_pos = anc + t + 2
+        valid = real & (label_pos < lengths) & (label_pos >= plens) & in_draft[t_argmax]
         w = valid.astype(jnp.float32)
         n = jnp.maximum(w.sum(), 1.0)
         ce = -(p_target * logp).sum(-1)
@@ -270,7 +336,8 @@ class DraftTrainer:
     """Trains ``draft`` on a FeatureSet with AdamW (0.9, 0.95), warm-up + cosine decay,
     global-norm clipping. The embedding and vocabulary maps stay fixed."""
 
-    def __init__(self, draft: Eagle3Draft, target: LlamaModel, cfg: TrainConfig, total_steps: int):
+    def __init__(self, draft: Eagle3Draft, target: LlamaModel, cfg: TrainConfig, total_steps: int,
+                 *, attention: str = "diagonal", select_queries: bool = True, round_to: int = 64):
         self.cfg = cfg
         ids = np.asarray(draft.draft_to_target(jnp.arange(draft.config.draft_vocab_size)))
         self.target_head = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
@@ -286,27 +353,44 @@ class DraftTrainer:
         )
         self.opt_state = self.opt.init(self.params)
         self.step_count = 0
-        kw = dict(ttt_length=cfg.ttt_length, step_decay=cfg.step_decay)
+        # attention: "dense" runs the reference mask path (see ttt_forward), for comparisons.
+        kw = dict(ttt_length=cfg.ttt_length, step_decay=cfg.step_decay, attention=attention)
 
-        def loss_fn(params, frozen, head, batch):
-            return ttt_loss(nnx.merge(self.graph, params, frozen), head, batch, **kw)
+        # select_queries: unroll only from the anchors whose predictions reach the response
+        # (ttt_loss's query_rows; the same loss, less work where prompts are long).
+        self.select_queries = select_queries and attention == "diagonal"
+        self.round_to = round_to
 
-        def train_step(params, opt_state, frozen, head, batch):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, head, batch)
+        def loss_fn(params, frozen, head, batch, query_rows=None):
+            return ttt_loss(nnx.merge(self.graph, params, frozen), head, batch, query_rows=query_rows, **kw)
+
+        def train_step(params, opt_state, frozen, head, batch, query_rows=None):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, head, batch, query_rows)
             updates, opt_state = self.opt.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             aux["grad_norm"] = optax.tree.norm(grads)
             return params, opt_state, loss, aux
 
-        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
-        self._eval = jax.jit(loss_fn)
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1), static_argnames=("query_rows",))
+        self._eval = jax.jit(loss_fn, static_argnames=("query_rows",))
+
+    def query_rows(self, batch: dict[str, np.ndarray]) -> int | None:
+        """Query rows for a batch: the anchors its longest response needs (``ttt_loss``),
+        rounded up to ``round_to`` (one compiled graph per (width, rows)), at most the
+        width; None when not selecting."""
+        if not self.select_queries:
+            return None
+        width = batch["tokens"].shape[1]
+        need = query_rows_needed(batch["lengths"], batch["prompt_lengths"], self.cfg.ttt_length)
+        return min(width, max(self.round_to, -(-need // self.round_to) * self.round_to))
 
     @property
     def draft(self) -> Eagle3Draft:
         return nnx.merge(self.graph, self.params, self.frozen)
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        self.params, self.opt_state, loss, aux = self._train_step(self.params, self.opt_state, self.frozen, self.target_head, batch)
+        self.params, self.opt_state, loss, aux = self._train_step(
+            self.params, self.opt_state, self.frozen, self.target_head, batch, query_rows=self.query_rows(batch))
         self.step_count += 1
         return {"loss": loss, "step_loss": aux["loss"], "acc": aux["acc"], "grad_norm": aux["grad_norm"]}
 
@@ -316,7 +400,8 @@ class DraftTrainer:
         loss = acc = cnt = 0.0
         max_len = data.tokens.shape[1]
         for idx, width in _length_batches(np.asarray(data.lengths), bs, np.random.default_rng(0), round_to, max_len):
-            _, aux = self._eval(self.params, self.frozen, self.target_head, _batch_arrays(data, idx, width, bs))
+            batch = _batch_arrays(data, idx, width, bs)
+            _, aux = self._eval(self.params, self.frozen, self.target_head, batch, query_rows=self.query_rows(batch))
             c = np.asarray(aux["count"])
             loss = loss + np.asarray(aux["loss"]) * c
             acc = acc + np.asarray(aux["acc"]) * c
@@ -460,7 +545,7 @@ def train_draft(
     lengths = np.asarray(data.lengths)
     steps_per_epoch = -(-len(data) // cfg.batch_size)
     total = max(1, int(round(cfg.epochs * steps_per_epoch)))
-    trainer = DraftTrainer(draft, target, cfg, total)
+    trainer = DraftTrainer(draft, target, cfg, total, round_to=round_to)
     history: list[dict[str, Any]] = []
 
     def emit(rec):

@@ -24,9 +24,11 @@ from eagle_jax.train.ttt import (
     select_draft_vocab,
     train_draft,
     ttt_forward,
+    ttt_loss,
     ttt_mask,
     vocab_coverage,
 )
+from eagle_jax.model import StepDiagonalMask, masked_attention, step_diagonal_attention
 from hf_factories import make_hf_model
 
 
@@ -46,6 +48,129 @@ def test_ttt_mask_shape_and_blocks():
     assert (m[0, :, :4] == np.tril(np.ones((4, 4), bool))).all() and not m[0, :, 4:].any()
     # step 2, anchor 1: step-0 slots 0..1, then slot 1 of step 1 and slot 1 of step 2
     assert np.flatnonzero(m[2, 1]).tolist() == [0, 1, 5, 9]
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_step_diagonal_attention_is_the_dense_ttt_mask(step):
+    """The structured attention is masked attention under ``ttt_mask``'s row for that
+    step (values and gradients), with the cache's later blocks holding garbage that the
+    mask hides; ``StepDiagonalMask.dense`` is ``ttt_mask``'s block."""
+    b, n, t_len, hq, hkv, d = 2, 7, 4, 6, 2, 8
+    rng = np.random.default_rng(step)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((b, n, hq, d), (b, t_len * n, hkv, d), (b, t_len * n, hkv, d)))
+    mask = StepDiagonalMask(step=step, length=n)
+    dense = mask.dense(t_len * n)[0]
+    assert (dense == ttt_mask(n, t_len)[step]).all()
+
+    def structured(q, k, v):
+        return step_diagonal_attention(q, k, v, mask, 0.35)
+
+    def reference(q, k, v):
+        return masked_attention(q, k, v, jnp.broadcast_to(dense, (b, n, t_len * n)), 0.35)
+
+    np.testing.assert_allclose(structured(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-6)
+    w = jnp.asarray(rng.standard_normal((b, n, hq, d)), jnp.float32)
+    g_s = jax.grad(lambda *a: (structured(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    g_r = jax.grad(lambda *a: (reference(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(g_s, g_r):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
+    # Blocks past the step are never read: their gradient is exactly zero.
+    assert not np.asarray(g_s[1][:, (step + 1) * n:]).any()
+
+
+def test_ttt_loss_diagonal_equals_dense(target):
+    """The training loss and its gradient are the same with the structured attention as
+    with the dense ``[L, ttt_length * L]`` mask (the reference)."""
+    from flax import nnx
+
+    from eagle_jax.train.ttt import TRAINABLE
+
+    draft = random_draft(target.config, seed=4, draft_vocab_size=97)
+    rng = np.random.default_rng(1)
+    b, n, vd = 2, 12, 97
+    batch = {
+        "tokens": jnp.asarray(rng.integers(0, target.config.vocab_size, (b, n)), jnp.int32),
+        "lengths": jnp.asarray([12, 9], jnp.int32), "prompt_lengths": jnp.asarray([3, 2], jnp.int32),
+        "features": jnp.asarray(rng.standard_normal((b, n, draft.config.fc_in_features)), jnp.float16),
+        "target_hidden": jnp.asarray(rng.standard_normal((b, n, target.config.hidden_size)), jnp.float16),
+        "target_argmax": jnp.asarray(rng.integers(0, vd, (b, n)), jnp.int32),
+    }
+    head = jnp.asarray(rng.standard_normal((target.config.hidden_size, vd)), jnp.float32)
+    graph, params, frozen = nnx.split(draft, TRAINABLE, ...)
+
+    def loss(params, attention):
+        return ttt_loss(nnx.merge(graph, params, frozen), head, batch, ttt_length=4, step_decay=0.8, attention=attention)
+
+    (l_d, aux_d), g_d = jax.value_and_grad(loss, has_aux=True)(params, "diagonal")
+    (l_r, aux_r), g_r = jax.value_and_grad(loss, has_aux=True)(params, "dense")
+    assert float(aux_d["count"].sum()) > 0
+    np.testing.assert_allclose(l_d, l_r, rtol=1e-5)
+    np.testing.assert_allclose(aux_d["loss"], aux_r["loss"], rtol=1e-5)
+    for a, r in zip(jax.tree.leaves(g_d), jax.tree.leaves(g_r)):
+        np.testing.assert_allclose(a, r, rtol=1e-3, atol=1e-6)
+    with pytest.raises(ConfigError, match="diagonal"):
+        loss(params, "sparse")
+
+
+def test_query_rows_keep_the_loss(target):
+    """Unrolling only from the anchors near the response (``query_rows``) gives the loss,
+    per-step losses, counts and gradients of unrolling from every position, for prompts
+    of 1 token to most of the sequence; the per-anchor logits are the full forward's."""
+    from flax import nnx
+
+    from eagle_jax.train.ttt import TRAINABLE, DraftTrainer, query_anchors, query_rows_needed
+
+    draft = random_draft(target.config, seed=5, draft_vocab_size=97)
+    rng = np.random.default_rng(2)
+    b, n, vd, steps = 4, 24, 97, 4
+    lengths = np.array([24, 20, 9, 24], np.int32)
+    plens = np.array([1, 14, 3, 19], np.int32)
+    batch = {
+        "tokens": jnp.asarray(rng.integers(0, target.config.vocab_size, (b, n)), jnp.int32),
+        "lengths": jnp.asarray(lengths), "prompt_lengths": jnp.asarray(plens),
+        "features": jnp.asarray(rng.standard_normal((b, n, draft.config.fc_in_features)), jnp.float16),
+        "target_hidden": jnp.asarray(rng.standard_normal((b, n, target.config.hidden_size)), jnp.float16),
+        # The target's argmax inside the draft vocabulary: every label in range counts.
+        "target_argmax": draft.draft_to_target(jnp.asarray(rng.integers(0, vd, (b, n)), jnp.int32)),
+    }
+    head = jnp.asarray(rng.standard_normal((target.config.hidden_size, vd)), jnp.float32)
+    graph, params, frozen = nnx.split(draft, TRAINABLE, ...)
+    need = query_rows_needed(lengths, plens, steps)  # the 1-token prompt: anchors 0..21
+    need_short = query_rows_needed(lengths[1:], plens[1:], steps)  # without it: 20 - 2 - 9
+    assert (need, need_short) == (22, 9)
+
+    def loss(params, rows, sub=slice(None)):
+        bt = {k: v[sub] for k, v in batch.items()}
+        return ttt_loss(nnx.merge(graph, params, frozen), head, bt, ttt_length=steps, step_decay=0.8, query_rows=rows)
+
+    for sub, rows in ((slice(None), need), (slice(1, None), need_short)):
+        (l_q, aux_q), g_q = jax.value_and_grad(loss, has_aux=True)(params, rows, sub)
+        (l_f, aux_f), g_f = jax.value_and_grad(loss, has_aux=True)(params, None, sub)
+        assert aux_q["count"].tolist() == aux_f["count"].tolist() and float(aux_f["count"][-1]) > 0
+        np.testing.assert_allclose(l_q, l_f, rtol=1e-5)
+        np.testing.assert_allclose(aux_q["loss"], aux_f["loss"], rtol=1e-5)
+        for a, r in zip(jax.tree.leaves(g_q), jax.tree.leaves(g_f)):
+            np.testing.assert_allclose(a, r, rtol=1e-3, atol=1e-6)
+    # One row fewer than needed drops a labelled anchor: the count says so.
+    _, aux_s = loss(params, need_short - 1, slice(1, None))
+    _, aux_f = loss(params, None, slice(1, None))
+    assert float(aux_s["count"].sum()) < float(aux_f["count"].sum())
+    # The logits at the selected anchors are the full forward's at those positions.
+    anchors, real = query_anchors(jnp.asarray(plens), n, 8, steps)
+    sel = ttt_forward(draft, batch["tokens"], batch["features"], ttt_length=steps, anchors=anchors)
+    full = ttt_forward(draft, batch["tokens"], batch["features"], ttt_length=steps)
+    for t in range(steps):
+        want = jnp.take_along_axis(full[t], anchors[:, :, None], axis=1)
+        np.testing.assert_allclose(np.asarray(sel[t])[np.asarray(real)], np.asarray(want)[np.asarray(real)], rtol=1e-4, atol=1e-5)
+    # The trainer asks for the rows the batch needs, rounded up, never past the width.
+    cfg = TrainConfig(draft_vocab_size=vd, ttt_length=steps, batch_size=b)
+    tr = DraftTrainer(random_draft(target.config, seed=5, draft_vocab_size=vd), target, cfg, 10, round_to=8)
+    host = {k: np.asarray(v) for k, v in batch.items()}
+    assert tr.query_rows(host) == n  # 22 needed, rounded up to 24
+    assert tr.query_rows({k: v[1:] for k, v in host.items()}) == 8 * -(-need_short // 8)
+    assert DraftTrainer(random_draft(target.config, seed=5, draft_vocab_size=vd), target, cfg, 10,
+                        select_queries=False).query_rows(host) is None
 
 
 @pytest.mark.parametrize("anchor", [0, 3, 6])
