@@ -146,21 +146,9 @@ def init_draft(target: LlamaModel, ids: np.ndarray, cfg: TrainConfig) -> Eagle3D
 
 def ttt_mask(length: int, ttt_length: int) -> np.ndarray:
     """``[ttt_length, L, ttt_length * L]``: what step t's row at anchor i may attend to
-    (step-0 slots 0..i and slot ``s*L + i`` of steps 1..t)."""
-    m = np.zeros((ttt_length, length, ttt_length * length), bool)
-    causal = np.tril(np.ones((length, length), bool))
-    eye = np.eye(length, dtype=bool)
-    for t in range(ttt_length):
-        m[t, :, :length] = causal
-        for s in range(1, t + 1):
-            m[t, :, s * length:(s + 1) * length] = eye
-    return m
-
-
-def _shift(x, k: int):
-    """x[:, k:] padded at the end with zeros to the same length."""
-    pad = [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, pad)[:, k:k + x.shape[1]]
+    (step-0 slots 0..i and slot ``s*L + i`` of steps 1..t), as a boolean array: the
+    dense form of ``StepDiagonalMask`` (the reference path, ``attention="dense"``)."""
+    return np.stack([StepDiagonalMask(step=t, length=length).dense(ttt_length * length)[0] for t in range(ttt_length)])
 
 
 def _gather_rows(x, idx):
@@ -200,21 +188,17 @@ def ttt_forward(
     hidden = draft.fuse(features.astype(jnp.float32))
     out = []
     for t in range(ttt_length):
-        if t == 0:
-            # Every position: block 0 of the cache holds the keys of the whole sequence.
-            pos, slots, nxt = positions, positions, _shift(tokens, 1)
-            mask = StepDiagonalMask(step=0, length=width) if masks is None else jnp.broadcast_to(
-                masks[0], (b, width, ttt_length * width))
+        # Step 0 runs at every position (block 0 of the cache holds the keys of the whole
+        # sequence); later steps at the query rows, each writing its own block of slots.
+        anc = positions if t == 0 or anchors is None else anchors
+        pos = anc + t
+        slots = positions if t == 0 else width + (t - 1) * rows + jnp.broadcast_to(jnp.arange(rows)[None, :], (b, rows))
+        # The token fed at step t is token i+t+1 (0 past the end of the sequence).
+        nxt = jnp.where(anc + t + 1 < width, _gather_rows(tokens, jnp.minimum(anc + t + 1, width - 1)), 0)
+        if masks is not None:
+            mask = jnp.broadcast_to(masks[t], (b, width, ttt_length * width))
         else:
-            anc = positions if anchors is None else anchors
-            pos = anc + t
-            slots = width + (t - 1) * rows + jnp.broadcast_to(jnp.arange(rows)[None, :], (b, rows))
-            # The token fed at step t is token i+t+1 (0 past the end, as _shift pads).
-            nxt = jnp.where(anc + t + 1 < width, _gather_rows(tokens, jnp.minimum(anc + t + 1, width - 1)), 0)
-            if masks is not None:
-                mask = jnp.broadcast_to(masks[t], (b, width, ttt_length * width))
-            else:
-                mask = StepDiagonalMask(step=t, length=width, anchors=anchors)
+            mask = StepDiagonalMask(step=t, length=width, anchors=None if t == 0 else anchors)
         hidden, cache = draft(nxt, hidden, pos, cache, slots, mask)
         if t == 0 and anchors is not None:
             hidden = _gather_rows(hidden, anchors)
@@ -358,7 +342,9 @@ class DraftTrainer:
 
         # select_queries: unroll only from the anchors whose predictions reach the response
         # (ttt_loss's query_rows; the same loss, less work where prompts are long).
-        self.select_queries = select_queries and attention == "diagonal"
+        if select_queries and attention != "diagonal":
+            raise ConfigError("select_queries needs attention='diagonal' (pass select_queries=False with 'dense')")
+        self.select_queries = select_queries
         self.round_to = round_to
 
         def loss_fn(params, frozen, head, batch, query_rows=None):

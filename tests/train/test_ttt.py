@@ -171,6 +171,8 @@ def test_query_rows_keep_the_loss(target):
     assert tr.query_rows({k: v[1:] for k, v in host.items()}) == 8 * -(-need_short // 8)
     assert DraftTrainer(random_draft(target.config, seed=5, draft_vocab_size=vd), target, cfg, 10,
                         select_queries=False).query_rows(host) is None
+    with pytest.raises(ConfigError, match="select_queries needs attention='diagonal'"):
+        DraftTrainer(random_draft(target.config, seed=5, draft_vocab_size=vd), target, cfg, 10, attention="dense")
 
 
 @pytest.mark.parametrize("anchor", [0, 3, 6])
