@@ -1,4 +1,6 @@
-"""Packed-weight matrix products for XLA:CPU (``cpu_matmul.cc`` through the XLA FFI).
+"""CPU kernels for XLA:CPU through the XLA FFI: packed-weight matrix products
+(``cpu_matmul.cc``) and the prefix part of decode/verify attention (``cpu_attention.cc``,
+at the end of this module), built into one library.
 
 On a CPU a speculative step's verify forward runs 4 to 16 rows through every weight
 matrix. XLA:CPU's GEMM re-packs the weights on each call, so those few rows cost about 2x
@@ -43,7 +45,11 @@ from eagle_jax.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+# Built into the same library: the decode attention over each row's cached prefix.
+ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+SOURCES = (SOURCE, ATTENTION_SOURCE)
 TARGET = "eagle_packed_matmul"
+ATTENTION_TARGET = "eagle_prefix_attention"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 MODES = ("auto", "packed", "xla")
 
@@ -86,26 +92,27 @@ def _load() -> tuple[int | None, str, Path | None]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}", None
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), include, jax.__version__, _cpu_signature()]).encode()
+        "\0".join([*(f.read_text() for f in SOURCES), cxx, version, " ".join(FLAGS), include, jax.__version__, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     lib_path = _cache_dir() / f"libeagle_cpu_matmul-{key}.so"
     if not lib_path.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
         os.close(fd)
-        cmd = [cxx, *FLAGS, "-I", include, str(SOURCE), "-o", tmp]
+        cmd = [cxx, *FLAGS, "-I", include, *map(str, SOURCES), "-o", tmp]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
             os.unlink(tmp)
-            return None, f"building {SOURCE.name} failed: {e}", None
+            return None, f"building {' + '.join(f.name for f in SOURCES)} failed: {e}", None
         if res.returncode != 0:
             os.unlink(tmp)
-            return None, f"building {SOURCE.name} failed ({' '.join(cmd)}): {res.stderr.strip()[-800:]}", None
+            return None, f"building the CPU kernels failed ({' '.join(cmd)}): {res.stderr.strip()[-800:]}", None
         os.replace(tmp, lib_path)  # atomic: concurrent builders each write their own temp file
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     nb = int(lib.eagle_packed_matmul_nb())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.eagle_packed_matmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefix_attention), platform="cpu")
     isa = "AVX-512" if nb == 64 else "AVX2" if nb == 16 else f"{nb}-column panels"
     return nb, f"packed-weight CPU kernel ({isa}, {nb}-column panels)", lib_path
 
@@ -131,7 +138,9 @@ def status(backend: str | None = None) -> tuple[bool, str]:
             raise ConfigError(f"EAGLE_JAX_CPU_MATMUL=packed, but the kernel is unavailable: {why}")
         log.warning("packed CPU matmul unavailable, using XLA's dot: %s", why)
         return False, f"XLA dot (packed kernel unavailable: {why})"
-    return True, why
+    if attention_mode() == "xla":
+        return True, f"{why}; prefix attention in XLA (EAGLE_JAX_CPU_ATTENTION=xla)"
+    return True, f"{why} and prefix-attention kernel"
 
 
 def panel_width() -> int:
@@ -210,3 +219,53 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     if w.ndim == 3:
         return packed_matmul(x, w)
     return x @ w
+
+
+# ----------------------------------------------------------------------------- attention
+# The prefix part of decode and verify attention (``cpu_attention.cc``), for the same
+# inference-only step tables that bind packed weights (``model.Attention`` uses it when
+# its projections are packed). ``EAGLE_JAX_CPU_ATTENTION=xla`` keeps XLA's blocked loop.
+
+ATTENTION_MODES = ("auto", "xla")
+ATTENTION_MAX_QUERIES = 64  # T * G per (row, kv head): the kernel's scratch size
+ATTENTION_MAX_HEAD_DIM = 256
+
+
+def attention_mode() -> str:
+    m = os.environ.get("EAGLE_JAX_CPU_ATTENTION", "auto")
+    if m not in ATTENTION_MODES:
+        raise ConfigError(f"EAGLE_JAX_CPU_ATTENTION={m!r} must be one of {', '.join(ATTENTION_MODES)}")
+    return m
+
+
+def prefix_attention_supported(t: int, g: int, d: int, dtype) -> bool:
+    """Whether ``prefix_attention_state`` takes T queries per head, G heads per kv head,
+    head dimension D and this cache dtype (float32 only; D a multiple of 16, so of
+    either build's vector width)."""
+    return (
+        attention_mode() == "auto" and t * g <= ATTENTION_MAX_QUERIES and d <= ATTENTION_MAX_HEAD_DIM
+        and d % 16 == 0 and jnp.dtype(dtype) == jnp.float32
+    )
+
+
+def prefix_attention_state(
+    qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, prefix_len: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Online-softmax state of queries ``qg [B, T, KV, G, D]`` (scale already applied)
+    over slots ``0 .. prefix_len[b] - 1`` of ``k/v_cache [B, S, KV, D]``: running max
+    ``m [B, KV, G, T]``, denominator ``l`` (same) and unnormalised ``acc [B, KV, G, T, D]``.
+    A row with no prefix gives m = -inf, l = 0, acc = 0."""
+    _load()  # registers the target (a no-op once loaded)
+    b, t, kv, g, d = qg.shape
+    nq = t * g
+    f32 = jnp.float32
+    m, l, acc = jax.ffi.ffi_call(
+        ATTENTION_TARGET,
+        (jax.ShapeDtypeStruct((b, kv, nq), f32), jax.ShapeDtypeStruct((b, kv, nq), f32),
+         jax.ShapeDtypeStruct((b, kv, nq, d), f32)),
+    )(qg.astype(f32), k_cache, v_cache, prefix_len.astype(jnp.int32))
+    # The kernel orders a head's queries t-major (t * G + g); the caller's state is g-major.
+    m = m.reshape(b, kv, t, g).transpose(0, 1, 3, 2)
+    l = l.reshape(b, kv, t, g).transpose(0, 1, 3, 2)
+    acc = acc.reshape(b, kv, t, g, d).transpose(0, 1, 3, 2, 4)
+    return m, l, acc

@@ -29,6 +29,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from eagle_jax.cpu_matmul import matmul, pack_params, packed_matmul
+from eagle_jax.cpu_matmul import prefix_attention_state as cpu_prefix_attention_state
+from eagle_jax.cpu_matmul import prefix_attention_supported as cpu_prefix_attention_supported
 from eagle_jax.target import ArraySpec, TargetFamily, register_target
 from pallas_kernels.tree_attention import tree_attention
 
@@ -294,6 +296,7 @@ def prefix_attention(
     mask: PrefixMask,
     scale: float,
     block: int = PREFIX_BLOCK,
+    impl: str = "xla",
 ) -> Float[Array, "B T Hq D"]:
     """Grouped-query attention over the prefix in the cache plus the new tokens, with an
     online softmax (float32): the new tokens first (every query sees itself, so the
@@ -302,6 +305,11 @@ def prefix_attention(
 
     Dense attention over a [B, T, S] mask measured 1.6x the whole decode step at S=2048
     against S=128 for SmolLM2 on a 2-core CPU; this visits ceil(prefix / block) blocks.
+
+    ``impl="cpu"`` attends over the prefix with ``cpu_matmul.prefix_attention_state``
+    instead of the loop: each row reads only its own prefix (the loop reads every row up
+    to the batch's longest), in one pass from the cache layout. Callers check
+    ``cpu_matmul.prefix_attention_supported`` first.
     """
     b, t, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -313,8 +321,18 @@ def prefix_attention(
     p = jnp.exp(s - m[..., None])
     denom = p.sum(-1)
     acc = jnp.einsum("bkgtj,bjkd->bkgtd", p.astype(v_cache.dtype), v_new.astype(v_cache.dtype), preferred_element_type=jnp.float32)
-    blk = min(block, s_len)
     prefix = mask.prefix_len
+    if impl == "cpu":
+        mc, lc, ac = cpu_prefix_attention_state(qg * scale, k_cache, v_cache, prefix)
+        m_all = jnp.maximum(m, mc)  # finite: every query sees itself among the new tokens
+        cn, cc = jnp.exp(m - m_all), jnp.exp(mc - m_all)  # cc = 0 where the row has no prefix
+        denom = denom * cn + lc * cc
+        acc = acc * cn[..., None] + ac * cc[..., None]
+        out = (acc / denom[..., None]).astype(q.dtype)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    if impl != "xla":
+        raise ValueError(f"prefix_attention impl={impl!r}; valid: xla, cpu")
+    blk = min(block, s_len)
 
     def body(i, carry):
         m, denom, acc = carry
@@ -383,7 +401,12 @@ class Attention(nnx.Module):
         if tree is not None:
             out = tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
         elif isinstance(mask, PrefixMask):
-            out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale)
+            # Packed projections mean an inference step table on a CPU with the kernel
+            # library loaded (cpu_matmul.pack_params): its prefix attention goes there too.
+            on_cpu_kernels = self.q_proj.kernel[...].ndim == 3 and cpu_prefix_attention_supported(
+                t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype
+            )
+            out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale, impl="cpu" if on_cpu_kernels else "xla")
         elif isinstance(mask, StepDiagonalMask):
             out = step_diagonal_attention(q, k_cache, v_cache, mask, scale)
         else:

@@ -1,0 +1,136 @@
+"""The prefix-attention CPU kernel (eagle_jax/cpu_attention.cc through the XLA FFI).
+
+It must agree with XLA's blocked loop (``prefix_attention(impl="xla")``) on every mask
+the steps use, give a query the same bits whatever else shares the call (other queries,
+other rows), and be what an inference step table's model runs -- and only that."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax import cpu_matmul
+from eagle_jax.model import PrefixMask, prefix_attention
+
+
+def _arrays(rng, b, t, kv, g, d, s):
+    def mk(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+
+    return mk(b, t, kv * g, d), mk(b, t, kv, d), mk(b, t, kv, d), mk(b, s, kv, d), mk(b, s, kv, d)
+
+
+@pytest.mark.parametrize(
+    "b,t,kv,g,d,s",
+    [
+        (1, 1, 3, 3, 64, 50),     # batch-1 decode
+        (64, 1, 3, 3, 64, 386),   # a full decode batch
+        (3, 4, 3, 3, 64, 300),    # a chain verify
+        (2, 8, 2, 4, 128, 200),   # head dim 128 (Llama 3)
+        (5, 16, 1, 4, 16, 70),    # T * G = 64, the kernel's largest; head dim 16
+        (2, 3, 2, 1, 32, 9),      # one head per kv head; prefixes shorter than a vector
+    ],
+)
+def test_matches_the_xla_loop(b, t, kv, g, d, s):
+    rng = np.random.default_rng(b * 1000 + t)
+    q, kn, vn, kc, vc = _arrays(rng, b, t, kv, g, d, s)
+    prefix = rng.integers(0, s - t + 1, b).astype(np.int32)
+    prefix[0] = 0  # no prefix: the new tokens alone
+    prefix[-1] = s - t  # the whole cache below the new tokens
+    # A tree's ancestor mask (any subset, every query sees itself).
+    block = jnp.asarray(rng.random((b, t, t)) < 0.5) | jnp.eye(t, dtype=bool)[None]
+    mask = PrefixMask(jnp.asarray(prefix), block)
+    scale = 1 / np.sqrt(d)
+    assert cpu_matmul.prefix_attention_supported(t, g, d, jnp.float32)
+    want = jax.jit(lambda *a: prefix_attention(*a, scale, impl="xla"))(q, kn, vn, kc, vc, mask)
+    got = jax.jit(lambda *a: prefix_attention(*a, scale, impl="cpu"))(q, kn, vn, kc, vc, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+def test_state_of_a_row_without_prefix():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 1, 1, 2, 16), dtype=np.float32))
+    kc = jnp.asarray(rng.standard_normal((2, 8, 1, 16), dtype=np.float32))
+    m, l, acc = cpu_matmul.prefix_attention_state(q, kc, kc, jnp.asarray([0, 8], jnp.int32))
+    assert m.shape == l.shape == (2, 1, 2, 1) and acc.shape == (2, 1, 2, 1, 16)
+    assert np.all(np.isneginf(np.asarray(m[0]))) and np.all(np.asarray(l[0]) == 0) and np.all(np.asarray(acc[0]) == 0)
+    # Row 1 sees all 8 slots: the state is the softmax's, computed here in float64.
+    qs, ks = np.asarray(q[1, 0, 0], np.float64), np.asarray(kc[1, :, 0], np.float64)
+    sc = qs @ ks.T  # [G, S]
+    np.testing.assert_allclose(np.asarray(m[1, 0, :, 0]), sc.max(-1), rtol=1e-6)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(l[1, 0, :, 0]), p.sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(acc[1, 0, :, 0]), p @ ks, rtol=1e-5, atol=1e-5)
+
+
+def test_a_query_gets_the_same_bits_whatever_shares_the_call():
+    """A plain step's query (alone, T=1) and the same query inside a verify call (T=8, a
+    batch of 4) get identical prefix states: greedy speculation relies on it."""
+    rng = np.random.default_rng(1)
+    b, t, kv, g, d, s = 4, 8, 3, 3, 64, 300
+    q = jnp.asarray(rng.standard_normal((b, t, kv, g, d), dtype=np.float32))
+    kc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
+    vc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
+    lens = jnp.asarray([0, 77, 150, 300], jnp.int32)
+    f = jax.jit(cpu_matmul.prefix_attention_state)
+    m, l, acc = (np.asarray(x) for x in f(q, kc, vc, lens))
+    for row in (1, 3):
+        for tq in (0, 5):
+            m1, l1, a1 = (np.asarray(x) for x in f(q[row:row + 1, tq:tq + 1], kc[row:row + 1], vc[row:row + 1], lens[row:row + 1]))
+            np.testing.assert_array_equal(m1[0, :, :, 0], m[row, :, :, tq])
+            np.testing.assert_array_equal(l1[0, :, :, 0], l[row, :, :, tq])
+            np.testing.assert_array_equal(a1[0, :, :, 0], acc[row, :, :, tq])
+
+
+def test_supported_and_env(monkeypatch):
+    assert not cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.bfloat16)
+    assert not cpu_matmul.prefix_attention_supported(22, 3, 64, jnp.float32)  # 66 queries per head
+    assert not cpu_matmul.prefix_attention_supported(1, 3, 72, jnp.float32)
+    assert "prefix-attention kernel" in cpu_matmul.status("cpu")[1]
+    monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", "xla")
+    assert not cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.float32)
+    assert "prefix attention in XLA" in cpu_matmul.status("cpu")[1]
+    monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", "fast")
+    with pytest.raises(Exception, match="must be one of"):
+        cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.float32)
+
+
+@pytest.mark.parametrize("env", ["auto", "xla"])
+def test_inference_binding_runs_the_kernel_and_only_it(monkeypatch, env):
+    """Packed (step-table) modules attend through the kernel -- its custom call is in the
+    compiled graph -- with the unpacked modules' logits; unpacked modules (training,
+    feature extraction: no gradient through the FFI call) and EAGLE_JAX_CPU_ATTENTION=xla
+    keep XLA's loop."""
+    from eagle_jax.checkpoint.draft_io import random_draft
+    from eagle_jax.config import ModelConfig
+    from eagle_jax.model import BoundModules, KVCache, LlamaModel
+
+    monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", env)
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    target = LlamaModel(cfg)
+    draft = random_draft(cfg, seed=0, draft_vocab_size=128)
+    rng = np.random.default_rng(2)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 3)), jnp.int32)
+    plens = jnp.asarray([12, 5], jnp.int32)
+
+    def run(bound, params):
+        t, _ = bound.modules(params)
+        cache = KVCache.zeros(cfg, 2, 32)
+        pos0 = jnp.broadcast_to(jnp.arange(12), (2, 12))
+        _, _, cache = t(prompt, pos0, cache, pos0, PrefixMask.causal(jnp.zeros(2, jnp.int32), 12))
+        pos = plens[:, None] + jnp.arange(3)[None]
+        h, _, _ = t(new, pos, cache, pos, PrefixMask.causal(plens, 3))
+        return t.logits(h)
+
+    plain, packed = BoundModules(target, draft), BoundModules(target, draft, pack=True)
+    hlo = {name: jax.jit(lambda p, b=b: run(b, p)).lower(b.params).as_text() for name, b in (("plain", plain), ("packed", packed))}
+    assert cpu_matmul.ATTENTION_TARGET not in hlo["plain"]
+    assert (cpu_matmul.ATTENTION_TARGET in hlo["packed"]) == (env == "auto")
+    want = np.asarray(jax.jit(lambda p: run(plain, p))(plain.params))
+    got = np.asarray(jax.jit(lambda p: run(packed, p))(packed.params))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
