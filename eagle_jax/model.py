@@ -311,6 +311,8 @@ def prefix_attention(
     to the batch's longest), in one pass from the cache layout. Callers check
     ``cpu_matmul.prefix_attention_supported`` first.
     """
+    if impl not in ("xla", "cpu"):
+        raise ValueError(f"prefix_attention impl={impl!r}; valid: xla, cpu")
     b, t, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -330,8 +332,6 @@ def prefix_attention(
         acc = acc * cn[..., None] + ac * cc[..., None]
         out = (acc / denom[..., None]).astype(q.dtype)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
-    if impl != "xla":
-        raise ValueError(f"prefix_attention impl={impl!r}; valid: xla, cpu")
     blk = min(block, s_len)
 
     def body(i, carry):
