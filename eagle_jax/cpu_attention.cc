@@ -94,7 +94,8 @@ struct Dims {
 };
 
 // One (row b, kv head h): queries q[b, t, h, g, :] for every (t, g), slots 0..len-1 of
-// k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] at query index t * G + g.
+// k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] at query index g * T + t (the
+// caller's [.., G, T] layout, so it needs no transpose).
 void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t len, int64_t b, int64_t h,
           float* m_out, float* l_out, float* acc_out) {
   const int64_t nq = d.T * d.G, D = d.D, nv = D / AW;
@@ -105,7 +106,7 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
   static thread_local float m[kMaxQ], l[kMaxQ];
   for (int64_t t = 0; t < d.T; ++t)
     for (int64_t g = 0; g < d.G; ++g)
-      std::memcpy(qs + (t * d.G + g) * D, q + (((b * d.T + t) * d.KV + h) * d.G + g) * D, D * sizeof(float));
+      std::memcpy(qs + (g * d.T + t) * D, q + (((b * d.T + t) * d.KV + h) * d.G + g) * D, D * sizeof(float));
   std::fill(acc, acc + nq * D, 0.f);
   std::fill(m, m + nq, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nq, 0.f);
@@ -201,7 +202,7 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int64_t nq = d.T * d.G;
   const auto md = m->dimensions(), ad = acc->dimensions();
   if (md.size() != 3 || md[0] != d.B || md[1] != d.KV || md[2] != nq || ad.size() != 4 || ad[3] != d.D)
-    return ffi::Error::InvalidArgument("eagle_prefix_attention: outputs must be m, l [B,KV,T*G] and acc [B,KV,T*G,D]");
+    return ffi::Error::InvalidArgument("eagle_prefix_attention: outputs must be m, l [B,KV,G*T] and acc [B,KV,G*T,D]");
   const int64_t units = d.B * d.KV;
   if (units == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());

@@ -255,7 +255,9 @@ def prefix_attention_state(
     over slots ``0 .. prefix_len[b] - 1`` of ``k/v_cache [B, S, KV, D]``: running max
     ``m [B, KV, G, T]``, denominator ``l`` (same) and unnormalised ``acc [B, KV, G, T, D]``.
     A row with no prefix gives m = -inf, l = 0, acc = 0."""
-    _load()  # registers the target (a no-op once loaded)
+    nb, why, _ = _load()  # registers the target (a no-op once loaded)
+    if nb is None:
+        raise ConfigError(f"the CPU prefix-attention kernel is unavailable: {why}")
     b, t, kv, g, d = qg.shape
     nq = t * g
     f32 = jnp.float32
@@ -264,8 +266,5 @@ def prefix_attention_state(
         (jax.ShapeDtypeStruct((b, kv, nq), f32), jax.ShapeDtypeStruct((b, kv, nq), f32),
          jax.ShapeDtypeStruct((b, kv, nq, d), f32)),
     )(qg.astype(f32), k_cache, v_cache, prefix_len.astype(jnp.int32))
-    # The kernel orders a head's queries t-major (t * G + g); the caller's state is g-major.
-    m = m.reshape(b, kv, t, g).transpose(0, 1, 3, 2)
-    l = l.reshape(b, kv, t, g).transpose(0, 1, 3, 2)
-    acc = acc.reshape(b, kv, t, g, d).transpose(0, 1, 3, 2, 4)
-    return m, l, acc
+    # The kernel writes a head's queries g-major (g * T + t): the caller's layout.
+    return m.reshape(b, kv, g, t), l.reshape(b, kv, g, t), acc.reshape(b, kv, g, t, d)
