@@ -118,6 +118,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--checkpoint-every", type=int, default=200, metavar="STEPS",
                    help="save the training state (orbax) to OUT/checkpoints every STEPS steps (default 200; 0: only "
                         "at the end and on SIGINT/SIGTERM); the newest 3 are kept")
+    t.add_argument("--eval-every", type=int, default=0, metavar="STEPS",
+                   help="also evaluate on the held-out set every STEPS steps (default 0: at each epoch's end only); "
+                        "the eval records, with the response tokens seen, are the learning curve")
     t.add_argument("--overwrite", action="store_true", help="replace an existing draft directory")
     t.add_argument("--draft-vocab", type=_positive_int, default=8192, help="draft vocabulary size (default 8192)")
     t.add_argument("--ttt-length", type=_positive_int, default=7, help="unrolled draft steps (default 7)")
@@ -523,7 +526,9 @@ def _write_manifest(out: Path, manifest: dict) -> None:
 
 # The train-draft settings a run records in OUT/run.json, so --resume repeats them.
 _RUN_FIELDS = ("model", "data", "draft_vocab", "ttt_length", "epochs", "lr", "warmup_steps", "batch_size", "seed",
-               "init_draft", "save_epochs", "save_dtype", "checkpoint_every", "log_every")
+               "init_draft", "save_epochs", "save_dtype", "checkpoint_every", "log_every", "eval_every")
+# Fields added after run.json existed, with the value an older run had in effect.
+_RUN_FIELD_DEFAULTS = {"eval_every": 0}
 
 
 def _resume_args(args):
@@ -537,11 +542,11 @@ def _resume_args(args):
     if not path.is_file():
         raise InputError(f"{args.resume} has no run.json: not the --out of a train-draft run (or one before resuming existed)")
     run = read_json_object(path, "a train-draft run record")
-    missing = [k for k in _RUN_FIELDS if k not in run]
+    missing = [k for k in _RUN_FIELDS if k not in run and k not in _RUN_FIELD_DEFAULTS]
     if missing:
         raise InputError(f"{path}: missing {missing}")
     for k in _RUN_FIELDS:
-        v = run[k]
+        v = run.get(k, _RUN_FIELD_DEFAULTS.get(k))
         setattr(args, k, Path(v) if k in ("model", "data", "init_draft") and v is not None else v)
     args.out, args.overwrite = args.resume, True
     return args
@@ -550,6 +555,9 @@ def _resume_args(args):
 def cmd_train_draft(args) -> int:
     from eagle_jax.checkpoint.draft_io import load_draft, save_draft
     from eagle_jax.checkpoint.hf import load_model
+    import numpy as np
+
+    from eagle_jax.train.curve import curve_points, save_learning_curve
     from eagle_jax.train.data import FeatureSet
     from eagle_jax.train.ttt import TrainConfig, TrainingInterrupted, train_draft
 
@@ -560,6 +568,8 @@ def cmd_train_draft(args) -> int:
         raise InputError("train-draft needs --data and --out (or --resume DIR to continue a run)")
     if args.checkpoint_every < 0:
         raise InputError(f"--checkpoint-every {args.checkpoint_every} must be >= 0")
+    if args.eval_every < 0:
+        raise InputError(f"--eval-every {args.eval_every} must be >= 0")
     model_dir = _model_dir(args)
     manifest_path = args.data / "manifest.json"
     if not manifest_path.is_file():
@@ -618,7 +628,7 @@ def cmd_train_draft(args) -> int:
         if rec["event"] == "train":
             print(f"step {rec['step']} epoch {rec['epoch']:.2f} loss {rec['loss']:.4f} acc {rec['acc']} lr {rec['lr']:.2e} ({rec['elapsed_s']:.0f} s)", file=sys.stderr)
         elif rec["event"] == "eval":
-            print(f"eval at step {rec['step']}: acc by step {rec['acc']}, expected chain accept length {rec['expected_accept_length']:.2f}", file=sys.stderr)
+            print(f"eval at step {rec['step']} ({rec['response_tokens_seen']:,} response tokens seen): acc by step {rec['acc']}, expected chain accept length {rec['expected_accept_length']:.2f}", file=sys.stderr)
         else:
             print(f"draft vocabulary {rec['draft_vocab_size']} covers {100 * rec['coverage']:.2f}% of response tokens", file=sys.stderr)
 
@@ -633,6 +643,7 @@ def cmd_train_draft(args) -> int:
         draft, history = train_draft(
             target, data, cfg, eval_data=eval_data, on_log=on_log, init=init, on_epoch=on_epoch,
             checkpoint_dir=ckpt_dir, checkpoint_every=args.checkpoint_every, resume=resuming, log_every=args.log_every,
+            eval_every=args.eval_every,
         )
     except TrainingInterrupted as e:
         print(f"interrupted: training state of step {e.step} saved; continue with `eagle-jax train-draft --resume {args.out}`",
@@ -643,15 +654,22 @@ def cmd_train_draft(args) -> int:
     save_draft(draft, args.out, dtype=args.save_dtype)
     load_draft(args.out, target=target)  # what was written loads and fits the target
     evals = [h for h in history if h["event"] == "eval"]
+    epoch_tokens = int((np.asarray(data.lengths) - np.asarray(data.prompt_lengths)).sum())
     summary = {
         "target": _display_path(model_dir), "target_config_sha256": _fingerprint(model_dir), "data": _display_path(args.data),
         "data_manifest": manifest, "train_config": dataclasses.asdict(cfg),
         "init_draft": _display_path(args.init_draft) if args.init_draft is not None else None,
         "train_sequences": len(data), "coverage": history[0]["coverage"],
         "final_eval": evals[-1] if evals else None,
+        # Held-out agreement against response tokens seen (train/curve.py draws it).
+        "learning_curve": curve_points(history),
+        "train_response_tokens": epoch_tokens,
         # Across resumptions: the training clock the history carries, else this process's.
         "train_seconds": max([h.get("elapsed_s", 0.0) for h in history] + [time.perf_counter() - t0]),
     }
     (args.out / "training.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    if save_learning_curve(history, args.out / "learning_curve.png", title=f"{args.out.name}: held-out learning curve",
+                           epoch_tokens=epoch_tokens):
+        print(f"wrote {args.out / 'learning_curve.png'}", file=sys.stderr)
     print(f"wrote draft to {args.out} ({summary['train_seconds']:.0f} s)")
     return 0

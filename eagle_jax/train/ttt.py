@@ -495,13 +495,15 @@ def train_draft(
     checkpoint_every: int = 0,
     resume: bool = False,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    eval_every: int = 0,
 ) -> tuple[Eagle3Draft, list[dict[str, Any]]]:
     """Select the draft vocabulary, initialise and train a draft. Returns (draft, history).
 
     ``init``: continue from this draft (float32, made for ``target``; its vocabulary is
     kept and ``cfg.draft_vocab_size`` / ``intermediate_size`` are ignored) instead of a
     fresh one. ``history`` holds one record per logged step and one per evaluation (per
-    epoch end when ``eval_data`` is given); ``on_log`` sees each record as it is made;
+    epoch end when ``eval_data`` is given, and every ``eval_every`` steps when that is > 0:
+    the points of a learning curve); ``on_log`` sees each record as it is made;
     ``on_epoch(epoch, draft)`` is called after each full pass (e.g. to save a snapshot).
 
     Resuming: with ``checkpoint_dir``, the state is saved every ``checkpoint_every`` steps
@@ -511,7 +513,13 @@ def train_draft(
     from the next step, so the per-step losses equal an uninterrupted run's (``on_step``
     sees every step's loss, for checking that). The history returned (and logged to
     ``on_log`` from then on) continues the saved one.
+
+    Every train and eval record carries ``response_tokens_seen``: the response tokens
+    (the positions the loss can count) of the batches trained on so far, the x axis of a
+    learning curve. A resumed run recounts it from the replayed batch order.
     """
+    if not isinstance(eval_every, int) or eval_every < 0:
+        raise ConfigError(f"eval_every={eval_every!r} must be an integer >= 0")
     if init is None:
         ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
         draft = init_draft(target, ids, cfg)
@@ -585,27 +593,46 @@ def train_draft(
                 pass
     rng = np.random.default_rng(cfg.seed)
     max_len = data.tokens.shape[1]
+    response = lengths - np.asarray(data.prompt_lengths)
     epoch = 0
     done_before = trainer.step_count
+    seen = 0  # response tokens of the batches trained on
+
+    def evaluate() -> None:
+        ev = trainer.evaluate(eval_data, round_to=round_to)
+        emit({
+            "event": "eval", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
+            "response_tokens_seen": seen,
+            "loss": [round(float(x), 4) for x in ev["loss"]], "acc": [round(float(x), 4) for x in ev["acc"]],
+            "expected_accept_length": expected_accept_length(ev["acc"]),
+            "elapsed_s": elapsed0 + time.perf_counter() - t0,
+        })
+
     try:
         while trainer.step_count < total:
             # The epoch's batches come from the one seeded generator, epoch after epoch, so
             # a resumed run replays the order and skips what the checkpoint had done.
             batches = list(_length_batches(lengths, cfg.batch_size, rng, round_to, max_len))
             skip = max(0, done_before - epoch * steps_per_epoch)
+            seen += sum(int(response[idx].sum()) for idx, _ in batches[:skip])
             for idx, width in batches[skip:]:
                 if trainer.step_count >= total:
                     break
                 out = trainer.step(_batch_arrays(data, idx, width, cfg.batch_size))
+                seen += int(response[idx].sum())
                 if on_step is not None:
                     on_step(trainer.step_count, out)
                 if trainer.step_count % log_every == 0 or trainer.step_count == total:
                     emit({
                         "event": "train", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
-                        "loss": float(out["loss"]), "step_loss": [round(float(x), 4) for x in out["step_loss"]], "acc": [round(float(a), 4) for a in out["acc"]],
+                        "response_tokens_seen": seen, "loss": float(out["loss"]), "step_loss": [round(float(x), 4) for x in out["step_loss"]], "acc": [round(float(a), 4) for a in out["acc"]],
                         "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
                         "elapsed_s": elapsed0 + time.perf_counter() - t0,
                     })
+                # Mid-epoch points of the learning curve (an epoch's end is evaluated below).
+                if (eval_data is not None and eval_every and trainer.step_count % eval_every == 0
+                        and trainer.step_count % steps_per_epoch != 0 and trainer.step_count != total):
+                    evaluate()
                 if ckpt is not None and stop:
                     save(epoch, closed)
                     raise TrainingInterrupted(trainer.step_count, str(ckpt.directory))
@@ -617,13 +644,7 @@ def train_draft(
             if on_epoch is not None and trainer.step_count % steps_per_epoch == 0:
                 on_epoch(epoch, trainer.draft)
             if eval_data is not None:
-                ev = trainer.evaluate(eval_data, round_to=round_to)
-                emit({
-                    "event": "eval", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
-                    "loss": [round(float(x), 4) for x in ev["loss"]], "acc": [round(float(x), 4) for x in ev["acc"]],
-                    "expected_accept_length": expected_accept_length(ev["acc"]),
-                    "elapsed_s": elapsed0 + time.perf_counter() - t0,
-                })
+                evaluate()
             closed = epoch
             if ckpt is not None and checkpoint_every:
                 save(epoch, closed)

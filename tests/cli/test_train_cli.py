@@ -109,10 +109,20 @@ def test_train_draft_without_data(tiny_dir, tmp_path):
 
 def _train_losses(out):
     """{step: loss} of the run's training log."""
+    return {step: rec["loss"] for step, rec in _records(out, "train").items()}
+
+
+def _records(out, event):
+    """{step: record} of the run's training log, for one kind of record."""
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
-    steps = [rec["step"] for rec in log if rec["event"] == "train"]
-    assert len(steps) == len(set(steps)), "a step was logged twice"
-    return {rec["step"]: rec["loss"] for rec in log if rec["event"] == "train"}
+    steps = [rec["step"] for rec in log if rec["event"] == event]
+    assert len(steps) == len(set(steps)), f"a step's {event} record was logged twice"
+    return {rec["step"]: rec for rec in log if rec["event"] == event}
+
+
+def _learning_curve(out):
+    """{step: (response tokens seen, held-out acceptance by depth)} of the run's evaluations."""
+    return {step: (rec["response_tokens_seen"], rec["acc"]) for step, rec in _records(out, "eval").items()}
 
 
 def test_killed_training_resumes_with_the_losses_of_an_uninterrupted_run(tiny_dir, data_dir, tmp_path):
@@ -126,13 +136,33 @@ def test_killed_training_resumes_with_the_losses_of_an_uninterrupted_run(tiny_di
     import time
 
     settings = ["--model", tiny_dir, "--data", data_dir, "--draft-vocab", "150", "--ttt-length", "2", "--epochs", "40",
-                "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "7"]
+                "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "7",
+                "--eval-every", "3"]
     ref = tmp_path / "ref"
     r = run("train-draft", *settings, "--out", ref)
     assert r.returncode == 0, r.stderr
     want = _train_losses(ref)
     total = max(want)
     assert total == 200 and sorted(want) == list(range(1, total + 1))
+    # The learning curve: an evaluation every 3 steps and at every epoch's end (5 steps),
+    # each with the response tokens trained on so far; 40 epochs see every one 40 times.
+    curve = _learning_curve(ref)
+    assert sorted(curve) == sorted({s for s in range(1, total + 1) if s % 3 == 0 or s % 5 == 0})
+    response = int((np.load(data_dir / "train" / "lengths.npy") - np.load(data_dir / "train" / "prompt_lengths.npy")).sum())
+    assert curve[5][0] == response and curve[total][0] == 40 * response
+    seen = [curve[s][0] for s in sorted(curve)]
+    assert all(a < b for a, b in zip(seen, seen[1:]))
+    assert {s: r["response_tokens_seen"] for s, r in _records(ref, "train").items()}[total] == 40 * response
+    summary = json.loads((ref / "training.json").read_text())
+    assert summary["train_response_tokens"] == response
+    assert [(p["step"], p["tokens"], p["acc"]) for p in summary["learning_curve"]] == [(s, *curve[s]) for s in sorted(curve)]
+    png = (ref / "learning_curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    # Drawn again from the log alone (as while a run trains).
+    from eagle_jax.train.curve import main as curve_main
+
+    assert curve_main([str(ref), "--out", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").read_bytes().startswith(b"\x89PNG")
 
     def start(out):
         cmd = [sys.executable, "-m", "eagle_jax.cli", "train-draft", *map(str, settings), "--out", str(out)]
@@ -167,6 +197,7 @@ def test_killed_training_resumes_with_the_losses_of_an_uninterrupted_run(tiny_di
     assert f"checkpoint of step {steps[-1]}" in r.stderr and "cannot be read" in r.stderr
     assert f"resumed at step {steps[-2]}" in r.stderr
     assert _train_losses(out) == want
+    assert _learning_curve(out) == curve  # the tokens seen are recounted, the evaluations redone alike
     assert (out / "model.safetensors").is_file() and json.loads((out / "training.json").read_text())["final_eval"]
 
     # SIGTERM: the step in flight finishes, its state is saved, exit status 130.
@@ -180,6 +211,7 @@ def test_killed_training_resumes_with_the_losses_of_an_uninterrupted_run(tiny_di
     r = run("train-draft", "--resume", out)
     assert r.returncode == 0, r.stderr
     assert _train_losses(out) == want
+    assert _learning_curve(out) == curve
 
     # --resume with other flags, or of a directory that is not a run, is refused.
     r = run("train-draft", "--resume", out, "--data", data_dir)

@@ -313,3 +313,26 @@ def test_training_makes_a_draft_that_speculation_accepts(target, tmp_path):
     acc_random = np.mean([a for c in rand for a in c.accept_lengths])
     assert acc_random < 1.3
     assert acc_trained > 1.35, (acc_trained, acc_random)
+
+
+def test_learning_curve_points_and_bad_log_lines(tmp_path):
+    from eagle_jax.train.curve import curve_points, read_log, save_learning_curve
+
+    recs = [
+        {"event": "eval", "step": 20, "epoch": 2.0, "response_tokens_seen": 200, "acc": [0.5, 0.3], "expected_accept_length": 1.65},
+        {"event": "train", "step": 10, "epoch": 1.0, "response_tokens_seen": 100, "loss": 1.0},
+        {"event": "eval", "step": 10, "epoch": 1.0, "response_tokens_seen": 100, "acc": [0.4, 0.2], "expected_accept_length": 1.48},
+        {"event": "eval", "step": 5, "epoch": 0.5, "acc": [0.1, 0.0], "expected_accept_length": 1.1},  # an older log's record
+    ]
+    pts = curve_points(recs)
+    assert [(p["step"], p["tokens"], p["acc"]) for p in pts] == [(10, 100, [0.4, 0.2]), (20, 200, [0.5, 0.3])]
+    assert save_learning_curve(recs, tmp_path / "c.png", title="t", epoch_tokens=100) == 2
+    assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+    assert save_learning_curve(recs[1:2], tmp_path / "none.png", title="t") == 0 and not (tmp_path / "none.png").exists()
+    log = tmp_path / "training_log.jsonl"
+    log.write_text(json.dumps(recs[0]) + "\n{oops\n")
+    with pytest.raises(InputError, match=r"training_log.jsonl:2: not JSON"):
+        read_log(log)
+    log.write_text("[1, 2]\n")
+    with pytest.raises(InputError, match=r":1: not a training record"):
+        read_log(log)
