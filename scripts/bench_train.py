@@ -16,7 +16,18 @@ the conversations, coverage of the response tokens of the other 20%.
     python scripts/bench_train.py [--batch-size 4] [--width 384] [--ttt-length 7] \\
         [--vocabs 4096 8192 16384] [--conversations DATA/conversations.jsonl]
 
-Saves results/bench_train.json (--out) with the command and an environment fingerprint.
+With --data DATA (a finished ``draft-data`` directory) it measures the real data instead
+(saved to results/bench_train_data.json unless --out):
+
+- padding: how many of the positions the trainer's length-sorted batches compute are
+  real tokens, over one epoch's batch order (what packing sequences could save);
+- the feature source: reading a batch from the memory-mapped float16 files against
+  recomputing it with the target's forward pass (SpecForge's online mode), per batch;
+- a training step on real batches per vocabulary size (--vocabs), and each vocabulary's
+  coverage of the response tokens (chosen on the training split, measured on eval/).
+
+Real batches: --samples batches drawn from one epoch's order (seeded); every timed
+operation runs once per batch per round, round-robin, and the median is kept.
 """
 
 from __future__ import annotations
@@ -79,6 +90,85 @@ def coverage(path: Path, vocabs, vocab_size: int) -> dict:
     return out
 
 
+def bench_data(target, args) -> dict:
+    """The --data measurements (see the module docstring)."""
+    from eagle_jax.train.data import FeatureSet, _forward_fn
+
+    data = FeatureSet.load(args.data / "train", mmap=True)
+    lengths, plens = np.asarray(data.lengths), np.asarray(data.prompt_lengths)
+    bs, width_max = args.batch_size, data.tokens.shape[1]
+    batches = list(ttt._length_batches(lengths, bs, np.random.default_rng(0), 64, width_max))
+    real = int(lengths.sum())
+    response = int((lengths - plens).sum())
+    step0 = sum(bs * w for _, w in batches)
+    rows = 0
+    for idx, w in batches:  # the query rows DraftTrainer.query_rows picks (steps 1..)
+        need = ttt.query_rows_needed(lengths[idx], plens[idx], args.ttt_length)
+        rows += bs * min(w, max(64, -(-need // 64) * 64))
+    padding = {
+        "sequences": len(data), "batches_per_epoch": len(batches), "batch_size": bs, "longest": int(width_max),
+        "real_tokens": real, "response_tokens": response,
+        "step0_positions": step0, "step0_real_fraction": round(real / step0, 4),
+        "query_rows": rows, "query_rows_response_fraction": round(response / rows, 4),
+        "widths": {str(w): sum(1 for _, x in batches if x == w) for w in sorted({w for _, w in batches})},
+    }
+    print(f"padding: {len(batches)} batches of {bs}; step 0 computes {step0:,} positions for {real:,} real tokens "
+          f"({100 * real / step0:.1f}% real); steps 1.. compute {rows:,} query rows for {response:,} response tokens "
+          f"({100 * response / rows:.1f}%)", flush=True)
+
+    pick = np.random.default_rng(1).choice(len(batches), min(args.samples, len(batches)), replace=False)
+    sample = [batches[i] for i in sorted(pick)]
+    forward = _forward_fn(target)
+    trainers = {}
+    for v in args.vocabs:
+        cfg = ttt.TrainConfig(draft_vocab_size=v, ttt_length=args.ttt_length, batch_size=bs)
+        ids = ttt.select_draft_vocab(data, v, target.config.vocab_size)
+        trainers[v] = ttt.DraftTrainer(ttt.init_draft(target, ids, cfg), target, cfg, total_steps=1000)
+    # Compile every (operation, width) once before timing.
+    t = time.perf_counter()
+    for idx, w in sample:
+        b = ttt._batch_arrays(data, idx, w, bs)
+        jax.block_until_ready(forward(b["tokens"]))
+        for tr in trainers.values():
+            jax.block_until_ready(tr.step(b)["loss"])
+    print(f"compiled and warmed {len(sample)} batches in {time.perf_counter() - t:.0f} s "
+          f"(widths {sorted({w for _, w in sample})})", flush=True)
+    times = {"read": [], "online_forward": [], **{f"step_vocab_{v}": [] for v in args.vocabs}}
+    for r in range(args.rounds):
+        for idx, w in sample:
+            t = time.perf_counter()
+            b = ttt._batch_arrays(data, idx, w, bs)
+            times["read"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            jax.block_until_ready(forward(b["tokens"]))
+            times["online_forward"].append(time.perf_counter() - t)
+            for v, tr in trainers.items():
+                t = time.perf_counter()
+                jax.block_until_ready(tr.step(b)["loss"])
+                times[f"step_vocab_{v}"].append(time.perf_counter() - t)
+        print(f"round {r + 1} done", flush=True)
+    # Per batch: the median over rounds, then the mean over the sampled batches (an
+    # epoch's cost is a sum over batches of different widths).
+    n = len(sample)
+    per = {k: float(np.mean([statistics.median(ts[j::n]) for j in range(n)])) for k, ts in times.items()}
+    cov = {}
+    if (args.data / "eval").is_dir():
+        held = FeatureSet.load(args.data / "eval", mmap=True)
+        for v in args.vocabs:
+            cov[str(v)] = round(ttt.vocab_coverage(held, ttt.select_draft_vocab(data, v, target.config.vocab_size),
+                                                   target.config.vocab_size), 4)
+    out = {"data": args.data.name, "padding": padding, "sampled_batches": [[int(len(i)), int(w)] for i, w in sample],
+           "mean_s_per_batch": {k: round(x, 4) for k, x in per.items()}, "eval_coverage": cov}
+    for k, x in per.items():
+        print(f"{k}: {x:.3f} s per batch (mean over the sampled batches of the per-batch median)")
+    for v in args.vocabs:
+        step = per[f"step_vocab_{v}"]
+        print(f"vocab {v}: step {step:.2f} s, epoch ~{step * len(batches) / 3600:.2f} h; online features would add "
+              f"{per['online_forward']:.2f} s ({100 * per['online_forward'] / step:.0f}%), the memory map costs "
+              f"{per['read']:.3f} s; coverage of held-out response tokens {cov.get(str(v))}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
@@ -91,9 +181,22 @@ def main() -> int:
                     help="prompt share of each sequence (default 0.375: 86 of 231 tokens, the mean of the first "
                          "real-prompt answers)")
     ap.add_argument("--conversations", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=Path("results/bench_train.json"))
+    ap.add_argument("--data", type=Path, default=None, help="a finished draft-data directory: measure the real data")
+    ap.add_argument("--samples", type=int, default=4, help="with --data: real batches timed (default 4)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default results/bench_train.json, or results/bench_train_data.json with --data")
     args = ap.parse_args()
     target = load_model(args.model or default_model_dir())
+    if args.data is not None:
+        result = {"command": "python scripts/bench_train.py " + " ".join(sys.argv[1:]), "environment": fingerprint(),
+                  "batch_size": args.batch_size, "ttt_length": args.ttt_length, "rounds": args.rounds,
+                  **bench_data(target, args)}
+        out = args.out or Path("results/bench_train_data.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
+    args.out = args.out or Path("results/bench_train.json")
     configs = [("dense", 8192, False), ("diagonal", 8192, False)] + [("diagonal", v, True) for v in args.vocabs]
     trainers, batches, compile_s = {}, {}, {}
     for att, v, sel in configs:
