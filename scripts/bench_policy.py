@@ -73,13 +73,18 @@ def run(engine: Engine, prompts, sp, policy) -> dict:
     engine.use_policy(policy)
     m = engine.metrics
     before = collections.Counter(m.steps_by_bucket)
+    step_s, step_tokens = sum(m.timed_step_s.values()), sum(m.timed_tokens.values())
     t = time.perf_counter()
     out = engine.generate(prompts, sp)
     rate = sum(len(c.token_ids) for c in out) / (time.perf_counter() - t)
     ran = collections.Counter(m.steps_by_bucket)
     ran.subtract(before)
     accepts = [a for c in out for a in c.accept_lengths]
-    return {"tokens_per_s": rate, "steps": {f"{b}: {name}": n for (b, name), n in ran.items() if n > 0},
+    # Decode only: the tokens of the engine's timed steady-state steps over their time (no
+    # prefill, no host loop between steps), beside the whole run's rate.
+    step_s, step_tokens = sum(m.timed_step_s.values()) - step_s, sum(m.timed_tokens.values()) - step_tokens
+    return {"tokens_per_s": rate, "decode_tokens_per_s": step_tokens / step_s if step_s > 0 else None,
+            "steps": {f"{b}: {name}": n for (b, name), n in ran.items() if n > 0},
             "mean_accept_length": sum(accepts) / len(accepts) if accepts else None}
 
 
@@ -169,7 +174,9 @@ def main():
             steps = collections.Counter()
             for r in rs:
                 steps.update(r["steps"])
+            decode = [r["decode_tokens_per_s"] for r in rs if r["decode_tokens_per_s"] is not None]
             res[name] = {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": [round(x, 3) for x in rates],
+                         "decode_tokens_per_s": statistics.median(decode) if decode else None,
                          "mean_accept_length": rs[-1]["mean_accept_length"], "steps": dict(steps)}
         fixed = {k: v["tokens_per_s"] for k, v in res.items() if k != "auto" and not k.startswith("threshold")}
         best = max(fixed, key=fixed.get)
@@ -190,6 +197,9 @@ def main():
     print(f"\n{'mode':<34}" + "".join(f"{'b=' + str(b):>9}" for b in args.batches))
     for name in modes:
         print(f"{name:<34}" + "".join(f"{r['modes'][name]['tokens_per_s']:>9.1f}" for r in rows))
+    print("decode steps only (timed steady-state steps; no prefill, no host loop between steps):")
+    for name in modes:
+        print(f"{name:<34}" + "".join(f"{r['modes'][name]['decode_tokens_per_s'] or float('nan'):>9.1f}" for r in rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = args.out.with_suffix(".png")
     title = (f"SmolLM2-135M fp32, {fp['cpu']} ({fp['cores']} cores); draft "
