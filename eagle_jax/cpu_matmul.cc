@@ -33,6 +33,12 @@ constexpr int NV = 2;
 constexpr int MR = 6;   // of 16 registers: 12 accumulators, 2 weights, 1 broadcast
 #endif
 constexpr int NB = NV * VW;      // panel width, in columns
+// Panel rows prefetched ahead (48 rows: 12 KiB). With one activation row the loop is a
+// pure stream the hardware prefetcher keeps up with; with 4 to 8 rows the FMAs occupy the
+// core between loads and the stream stalls without explicit prefetches. Measured on a
+// 2-core Xeon (SmolLM2's 210 body matrices): 6 rows 29.3 -> 21-23 ms, 8 rows 35.8 -> 25-29
+// ms, 1 row unchanged (about 19.5 ms, the DRAM limit).
+constexpr int64_t PF = 48;
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 
@@ -48,6 +54,11 @@ static inline void block(const float* __restrict x, const float* __restrict pane
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
   for (int64_t k = 0; k < K; ++k) {
     vf wk[NV];
+    // Panels lie back to back, so past a panel's end this fetches the next one's start;
+    // past the last one the address is only a hint (x86 prefetches never fault), formed
+    // as an integer so no out-of-range pointer exists.
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel) + sizeof(float) * uintptr_t((k + PF) * NB);
+    for (int v = 0; v < NV; ++v) __builtin_prefetch(reinterpret_cast<const void*>(ahead + sizeof(float) * v * VW), 0, 3);
     for (int v = 0; v < NV; ++v) wk[v] = loadu(panel + k * NB + v * VW);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k];
