@@ -419,6 +419,8 @@ class Attention(nnx.Module):
         elif isinstance(mask, PrefixMask):
             # Packed projections mean an inference step table on a CPU with the kernel
             # library loaded (cpu_matmul.pack_params): its prefix attention goes there too.
+            # A table on a mesh of several devices never packs (GSPMD cannot partition
+            # the FFI calls), so it attends in XLA.
             on_cpu_kernels = self.q_proj.kernel[...].ndim == 3 and cpu_prefix_attention_supported(
                 t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype
             )

@@ -119,7 +119,10 @@ class StepTable:
       time_phases: speculative steps as two graphs (draft phase, verify phase).
       tree_hook: a draft hook traced into speculative steps (the oracle; None in serving).
       hook_width: columns of ``state.hook_data`` the hook reads (0: no hook data).
-      mesh: the device mesh (default: one device, axes data and model).
+      mesh: the device mesh, axes data and model (default: one device;
+        ``sharding.make_mesh``). On more than one device the Pallas kernels give way to
+        their XLA references (``kernel_impl`` "auto" runs "reference", ``kernel_path``
+        says so; "kernel" is a ``ConfigError``) and the CPU FFI kernels are off.
       cache_align: round the target cache length up to a multiple of this (default: the
         tree-attention kernel's block on GPUs, so the kernel applies; 1 on CPU).
       plain: compile the plain step (a policy that never runs it need not).

@@ -206,3 +206,18 @@ def test_generate_with_a_mesh_larger_than_the_machine_is_a_clear_error(tiny_tp_m
     assert "error: mesh data=2,model=2 needs 4 devices; 2 are available" in r.stderr
     r = _run_devices(2, "generate", "--model", tiny_tp_model, "--prompt", "w5 w6", "--mesh", "model=two")
     assert r.returncode == 2 and "expected 'auto' or 'data=D,model=M'" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_on_three_model_shards_matches_one_device(tmp_path, smollm2_dir):
+    """SmolLM2-135M: 9 heads, 3 KV heads, MLP 1536, vocabulary 49152, all split over model=3."""
+    rows = {}
+    for mesh in ("data=1,model=1", "data=1,model=3"):
+        out = tmp_path / f"{mesh}.jsonl"
+        r = _run_devices(3, "generate", "--model", smollm2_dir, "--prompt", "The capital of France is",
+                         "--max-new-tokens", "12", "--no-speculation", "--mesh", mesh, "--output", out, timeout=900)
+        assert r.returncode == 0, r.stderr
+        rows[mesh] = json.loads(out.read_text())["token_ids"]
+    assert "KV heads: 3 split over model" in r.stderr
+    assert rows["data=1,model=3"] == rows["data=1,model=1"]
