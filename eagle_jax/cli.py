@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=_positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--output", type=Path, default=None, help="write one JSON object per prompt to this JSONL file")
+    add_mesh_argument(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("import-gguf", help="convert a GGUF file into a Hugging Face model directory")
@@ -92,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_parser(sub)
     train_commands.add_parsers(sub)
     return p
+
+
+def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
+    """``--mesh``, for every command that builds an engine (``EngineConfig.mesh``)."""
+    parser.add_argument(
+        "--mesh", default="data=1,model=1", metavar="data=D,model=M",
+        help="device mesh: D engine batch shards times M tensor-parallel shards of the target (heads, MLP, "
+             "vocabulary; the draft is replicated); 'auto' puts every local device on model (default data=1,model=1)")
 
 
 def _load_records(args):
@@ -221,6 +230,7 @@ def cmd_generate(args) -> int:
         # Sampled steps only when some request samples (halves the graphs otherwise).
         sampled_steps=args.temperature > 0,
         time_phases=args.time_phases and spec is not None,
+        mesh=args.mesh,
     )
     enable_compilation_cache()
     engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())

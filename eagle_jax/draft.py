@@ -260,14 +260,16 @@ class Eagle3Draft(nnx.Module):
         init = jax.nn.initializers.normal(0.02)
         h, v, vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
         self.config = cfg
-        self.fc = Linear(cfg.fc_in_features, h, bias=False, dtype=dtype, rngs=rngs)
+        self.fc = Linear(cfg.fc_in_features, h, axes=("features", "embed"), bias=False, dtype=dtype, rngs=rngs)
         self.midlayer = Eagle3MidLayer(cfg, dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.lm_head = nnx.Param(init(rngs.params(), (h, vd), dtype))  # [H, Vd]
-        self.embed_tokens = nnx.Param(init(rngs.params(), (v, h), dtype))  # [V, H]
+        # Logical axes like the target's (the step table runs the draft replicated today:
+        # ``sharding.replicated_rules``).
+        self.lm_head = nnx.Param(init(rngs.params(), (h, vd), dtype), logical_axes=("embed", "draft_vocab"))  # [H, Vd]
+        self.embed_tokens = nnx.Param(init(rngs.params(), (v, h), dtype), logical_axes=("vocab", "embed"))  # [V, H]
         # Identity map until a checkpoint says otherwise: draft id i is target id i.
-        self.d2t = Buffer(jnp.zeros((vd,), jnp.int32))
-        self.t2d = Buffer(jnp.arange(v) < vd)
+        self.d2t = Buffer(jnp.zeros((vd,), jnp.int32), logical_axes=("draft_vocab",))
+        self.t2d = Buffer(jnp.arange(v) < vd, logical_axes=("vocab",))
 
     def fuse(self, features: Float[Array, "B T F"]) -> Float[Array, "B T H"]:
         """Project the concatenated target features (``F = len(aux) * Ht``) to the draft width."""

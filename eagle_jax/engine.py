@@ -61,6 +61,7 @@ from eagle_jax.policy import (
 from eagle_jax.requests import RequestProgress, check_prompt
 from eagle_jax.runtime import StepTable
 from eagle_jax.sampling import SamplingParams
+from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh
 from eagle_jax.spec_config import SpeculativeConfig
 from eagle_jax.target import TargetModel
 
@@ -142,6 +143,14 @@ class EngineConfig:
         greedy steps only (half the graphs) and refuses requests with temperature > 0.
       cache_align: round the target cache up to a multiple of this many slots (default:
         64 on GPUs, the tree-attention kernel's block, so the kernel applies; 1 on CPU).
+      mesh: the device mesh, ``(data, model)`` sizes, ``"data=D,model=M"`` or ``"auto"``
+        (every local device on ``model``); held as ``(D, M)`` or ``"auto"``. ``model``
+        splits the target's heads, MLP width and vocabulary (tensor parallelism; KV heads
+        that do not divide it are replicated), ``data`` the batch rows of one engine: a
+        batch bucket that is a multiple of ``data`` is split over it, others run
+        replicated (see ``eagle_jax.sharding``). The draft runs replicated over
+        ``model``. Under more than one device the Pallas and CPU FFI kernels are off
+        (their XLA references run; the start-up line says so).
     """
 
     max_batch: int = 8
@@ -162,6 +171,7 @@ class EngineConfig:
     prefill_token_budget: int = 512
     sampled_steps: bool = True
     cache_align: int | None = None
+    mesh: tuple[int, int] | str = (1, 1)
 
     def __post_init__(self):
         def positive_int(name):
@@ -223,6 +233,7 @@ class EngineConfig:
             raise ConfigError(f"time_phases={self.time_phases!r} must be True or False")
         if self.time_phases and self.speculative is None:
             raise ConfigError("time_phases is set but speculative is None (no draft or verify phase to time)")
+        object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))
 
 
 # ----------------------------------------------------------------------------- requests and metrics
@@ -911,6 +922,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     if (draft_hook is None) != (hook_width == 0):
         raise ConfigError("draft_hook and hook_width go together")
     target_path = target
+    mesh = make_mesh(config.mesh)  # before loading: too few devices fails fast
     target, draft = _load(target, draft, config.dtype)
     if draft is not None:
         check_compatible(draft.config, target.config)
@@ -930,7 +942,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         prompt_buckets=config.prompt_buckets, max_seq_len=config.max_seq_len,
         prefill_token_budget=config.prefill_token_budget, kernel_impl=config.kernel_impl,
         check_finite=config.detect_nan, time_phases=config.time_phases, tree_hook=draft_hook, hook_width=hook_width,
-        plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align,
+        plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align, mesh=mesh,
     )
     report = table.build(progress)
     calibrate = getattr(policy, "calibrate", None)
@@ -950,7 +962,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         + f"; batch buckets {config.batch_buckets}; prompt buckets {config.prompt_buckets} "
         f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
         f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "
-        f"devices {[str(d) for d in jax.devices()]}; kernels {config.kernel_impl}; verify attention "
+        f"{_mesh_note(table)}; kernels {table.kernel_path}; verify attention "
         f"{table.verify_attention_path()}; matrix products: {table.matmul_path}; NaN check {'on' if config.detect_nan else 'off'}"
         + feature_note
         + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
@@ -968,6 +980,23 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         _last_shape=None, _steps_run=0, _shrink_wait=0, _step_no=0, metrics=metrics,
         _other_work=False, _last_ready=None,
     )
+
+
+def _mesh_note(table: StepTable) -> str:
+    """The mesh, its devices, and what the rules did that a reader would not guess."""
+    mesh = table.mesh
+    note = f"mesh {describe_mesh(mesh)} over {[str(d) for d in mesh.devices.flat]}"
+    if mesh.shape["model"] > 1:
+        kv = table.target.axis_sizes()["kv_heads"]
+        note += (f" (KV heads: {kv}, replicated over model={mesh.shape['model']})" if table.rules["kv_heads"] is None
+                 else f" (KV heads: {kv} split over model)")
+        note += "; draft replicated over model" if table.draft is not None else ""
+    d = mesh.shape["data"]
+    if d > 1:
+        odd = [b for b in table.batch_buckets if b % d]
+        note += (f"; batch buckets {odd} are not multiples of data={d}: their rows run replicated over data"
+                 if odd else f"; batch rows split over data={d}")
+    return note
 
 
 def _feature_layers(target) -> str:

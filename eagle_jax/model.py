@@ -71,6 +71,16 @@ class KVCache:
         return self.k[0].shape[0]
 
 
+def write_rows(cache: Float[Array, "B S ..."], slots: Int[Array, "B T"], new: Float[Array, "B T ..."]) -> Float[Array, "B S ..."]:
+    """``cache[b, slots[b, t]] = new[b, t]``; slots past the end are dropped.
+
+    Written per row (``vmap``: a scatter with the batch as a batching dimension) rather
+    than as one scatter indexed by ``(row, slot)``: GSPMD partitions the former along a
+    batch sharded on "data", while for the latter it all-gathers the new entries and
+    the indices across "data" (measured in the compiled step's HLO)."""
+    return jax.vmap(lambda c, s, x: c.at[s].set(x.astype(c.dtype), mode="drop"))(cache, slots, new)
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeAttention:
     """Attend a verify block with ``pallas_kernels.tree_attention`` instead of a dense mask:
@@ -129,8 +139,10 @@ def apply_rope(
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """RMS norm over the last dimension; ``axis`` is its logical axis (``target.DEFAULT_AXIS_RULES``)."""
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32, *, axis: str = "embed"):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=(axis,))
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
@@ -144,12 +156,16 @@ class Linear(nnx.Module):
 
     A step table on a CPU binds the kernel packed into column panels (``[P, in, nb]``,
     ``cpu_matmul.pack_params``); the product then runs through the packed-weight kernel.
+    ``axes``: the logical axes (input, output) of the kernel, which the step table shards
+    it by (``target.DEFAULT_AXIS_RULES``); the bias takes the output's.
     """
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, axes: tuple[str, str], bias: bool, dtype, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        # ``logical_axes``, not Flax's ``out_sharding``: Flax applies the latter at creation
+        # (eager sharding) and expects mesh axis names; ours go through the rules first.
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype), logical_axes=tuple(axes))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype), logical_axes=(axes[1],)) if bias else None
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
         y = matmul(x, self.kernel[...])
@@ -364,13 +380,15 @@ class Attention(nnx.Module):
         d_in = d_in or cfg.hidden_size
         hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         bias = cfg.attention_bias
-        self.q_proj = Linear(d_in, nq * hd, bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d_in, nkv * hd, bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d_in, nkv * hd, bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(nq * hd, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        # Megatron-style tensor parallelism: q/k/v split by heads (columns), o_proj by its
+        # input heads (rows), so one all-reduce joins the shards after o_proj.
+        self.q_proj = Linear(d_in, nq * hd, axes=("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d_in, nkv * hd, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d_in, nkv * hd, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nq * hd, cfg.hidden_size, axes=("heads", "embed"), bias=False, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, axis="head_dim")
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, axis="head_dim")
         else:
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
@@ -394,15 +412,15 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Slots past the cache end (padding tokens) are dropped, never written.
-        rows = jnp.arange(b)[:, None]
-        k_cache = k_cache.at[rows, cache_slots].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, cache_slots].set(v.astype(v_cache.dtype), mode="drop")
+        k_cache, v_cache = write_rows(k_cache, cache_slots, k), write_rows(v_cache, cache_slots, v)
         scale = 1.0 / math.sqrt(self.head_dim)
         if tree is not None:
             out = tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
         elif isinstance(mask, PrefixMask):
             # Packed projections mean an inference step table on a CPU with the kernel
             # library loaded (cpu_matmul.pack_params): its prefix attention goes there too.
+            # A table on a mesh of several devices never packs (GSPMD cannot partition
+            # the FFI calls), so it attends in XLA.
             on_cpu_kernels = self.q_proj.kernel[...].ndim == 3 and cpu_prefix_attention_supported(
                 t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype
             )
@@ -416,9 +434,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, inter, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, inter, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(inter, hidden, bias=False, dtype=dtype, rngs=rngs)
+        # Split by the MLP width: gate/up by columns, down by rows (one all-reduce after).
+        self.gate_proj = Linear(hidden, inter, axes=("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, axes=("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, axes=("mlp", "embed"), bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -451,7 +470,8 @@ class LlamaModel(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         self.embed_tokens = nnx.Param(
-            jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype)
+            jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype),
+            logical_axes=("vocab", "embed"),
         )
         self.layers = nnx.List(
             [DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)]
@@ -461,7 +481,8 @@ class LlamaModel(nnx.Module):
         self.lm_head = nnx.Param(
             jnp.asarray(self.embed_tokens[...].T)
             if cfg.tie_word_embeddings
-            else jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype)
+            else jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype),
+            logical_axes=("embed", "vocab"),
         )
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T H"]:
@@ -530,6 +551,16 @@ class LlamaModel(nnx.Module):
         """The abstract KV cache (``ArraySpec`` leaves) for ``batch`` rows of ``max_len`` slots."""
         return KVCache.spec(self.config, batch, max_len, self.dtype)
 
+    def axis_sizes(self) -> dict[str, int]:
+        """What each sharded logical axis counts (``target.TargetModel``)."""
+        return llama_axis_sizes(self.config)
+
+
+def llama_axis_sizes(cfg) -> dict[str, int]:
+    """Sizes of the logical axes a Llama-shaped config (target or draft layer) splits."""
+    return {"heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size}
+
 
 # NNX path -> (Hugging Face name, transpose?). Built per config by ``param_name_map``.
 NameMap = dict[tuple, tuple[str, bool]]
@@ -573,6 +604,23 @@ def causal_mask(
     return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
 
 
+def parameter_axes(state) -> list[tuple[str | None, ...]]:
+    """The ``logical_axes`` metadata of every Variable of an NNX state, in flatten order;
+    a parameter without them (or with the wrong count) is a programming error, named."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    out = []
+    for path, v in pairs:
+        axes = v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None
+        ndim = len(v.shape) if isinstance(v, nnx.Variable) else None
+        if axes is None or len(axes) != ndim:
+            raise RuntimeError(
+                f"model parameter {jax.tree_util.keystr(path)} (shape {getattr(v, 'shape', None)}) has logical_axes "
+                f"{axes!r}; every parameter needs one logical axis name per dimension (target.DEFAULT_AXIS_RULES)"
+            )
+        out.append(tuple(axes))
+    return out
+
+
 class BoundModules:
     """Modules split once into graph definitions and flat parameter arrays.
 
@@ -585,23 +633,33 @@ class BoundModules:
     def __init__(self, *modules: nnx.Module | None, pack: bool = False):
         # pack: bind float32 Linear kernels and heads as CPU column panels (inference only;
         # ``cpu_matmul``); ``packed`` counts them.
-        self._graphs, self._treedefs, params = [], [], []
+        # ``axes``: the logical axes of every leaf of ``params`` (same structure), from
+        # the parameters' ``logical_axes`` metadata; the step table shards by them.
+        self._graphs, self._treedefs, params, axes = [], [], [], []
         self.packed = 0
         for m in modules:
             if m is None:
                 self._graphs.append(None)
                 self._treedefs.append(None)
                 params.append(())
+                axes.append(())
                 continue
             graph, state = nnx.split(m)
+            names = parameter_axes(state)
             if pack:
                 state, n = pack_params(state)
                 self.packed += n
             leaves, treedef = jax.tree.flatten(state)
+            if len(leaves) != len(names):  # one array per Variable: a programming error otherwise
+                raise RuntimeError(f"{type(m).__name__}: {len(leaves)} parameter arrays for {len(names)} variables")
             self._graphs.append(graph)
             self._treedefs.append(treedef)
             params.append(tuple(leaves))
+            # A packed kernel [K, N] -> panels [N / nb, K, nb]: the panels follow N's axis.
+            # (Packing only happens on a single-device mesh, where every axis is replicated.)
+            axes.append(tuple((a[1], a[0], None) if leaf.ndim == len(a) + 1 else a for a, leaf in zip(names, leaves)))
         self.params = tuple(params)
+        self.axes = tuple(axes)
 
     def modules(self, params) -> list:
         return [

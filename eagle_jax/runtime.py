@@ -16,9 +16,15 @@ One state layout serves every step of a batch bucket: it is sized for the larges
 speculative shape (``speculative.state_spec``), so the policy can switch shapes between
 steps without moving data. The state is donated to every step.
 
-Shardings come from the logical axes of the abstract state (``ArraySpec``) through the
-mesh's rules (``target.DEFAULT_AXIS_RULES``); in and out shardings are pinned on every
-graph. The mesh is a single device today; the sharding work fills it in.
+Shardings come from logical axes through the rules (``target.DEFAULT_AXIS_RULES``, fitted
+to the target and mesh by ``sharding.model_axis_rules``): the abstract state's
+(``ArraySpec``: batch on "data", KV heads on "model") and every parameter's
+(``logical_axes`` metadata: heads, MLP width and vocabulary on "model"; norms and
+hidden dims replicated). Parameters are placed with those shardings, in and out
+shardings are pinned on every graph and GSPMD partitions the rest. The draft runs
+replicated over "model" (see ``__init__``). Under a mesh of several devices the CPU FFI
+kernels are off and the Pallas kernels run their XLA references (custom calls cannot be
+partitioned by GSPMD; shard_map'd kernels are future work).
 
 Calling a key that was not built raises ``CompileAfterBuildError``, and a built graph is
 a ``Compiled`` executable, which refuses arguments of other shapes instead of
@@ -35,7 +41,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from eagle_jax import cpu_matmul
 from eagle_jax.draft import Eagle3Draft
@@ -54,7 +60,8 @@ from eagle_jax.speculative import (
     state_spec,
     verify_phase_impl,
 )
-from eagle_jax.target import TargetModel, default_mesh, init_from_spec, is_spec, shardings_for
+from eagle_jax.sharding import batch_rules, model_axis_rules, replicated_rules
+from eagle_jax.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +119,10 @@ class StepTable:
       time_phases: speculative steps as two graphs (draft phase, verify phase).
       tree_hook: a draft hook traced into speculative steps (the oracle; None in serving).
       hook_width: columns of ``state.hook_data`` the hook reads (0: no hook data).
-      mesh: the device mesh (default: one device, axes data and model).
+      mesh: the device mesh, axes data and model (default: one device;
+        ``sharding.make_mesh``). On more than one device the Pallas kernels give way to
+        their XLA references (``kernel_impl`` "auto" runs "reference", ``kernel_path``
+        says so; "kernel" is a ``ConfigError``) and the CPU FFI kernels are off.
       cache_align: round the target cache length up to a multiple of this (default: the
         tree-attention kernel's block on GPUs, so the kernel applies; 1 on CPU).
       plain: compile the plain step (a policy that never runs it need not).
@@ -142,10 +152,25 @@ class StepTable:
         self.batch_buckets = tuple(batch_buckets)
         self.prompt_buckets = tuple(prompt_buckets)
         self.max_seq_len = max_seq_len
-        self.kernel_impl, self.check_finite, self.time_phases = kernel_impl, check_finite, time_phases
+        self.check_finite, self.time_phases = check_finite, time_phases
         self.tree_hook, self.hook_width = tree_hook, hook_width
         self.mesh = mesh or default_mesh()
         self.backend = jax.default_backend()
+        # The Pallas kernels (verify, sampling, tree attention) are custom calls, which
+        # GSPMD cannot partition; until they run under shard_map a sharded table runs
+        # their XLA references. ``kernel_impl`` is what the graphs use, ``kernel_path``
+        # says why (the engine's start-up line).
+        self.kernel_impl, self.kernel_path = kernel_impl, kernel_impl
+        if self.mesh.size > 1 and kernel_impl != "reference":
+            if kernel_impl == "kernel":
+                raise ConfigError(
+                    f"kernel_impl='kernel' needs a single-device mesh (this one has {self.mesh.size} devices): the "
+                    f"Pallas kernels are not wrapped in shard_map yet; use kernel_impl='auto' or 'reference'"
+                )
+            self.kernel_impl = "reference"
+            self.kernel_path = (f"reference (kernel_impl={kernel_impl}: the Pallas kernels are single-device, "
+                                f"so a mesh of {self.mesh.size} devices runs their XLA references)")
+            log.info("step table: %s", self.kernel_path)
         self.cache_align = cache_align or (TREE_ATTENTION_BLOCK if self.backend == "gpu" else 1)
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
@@ -155,12 +180,25 @@ class StepTable:
         self.packed_matmul, self.matmul_path = cpu_matmul.status(self.backend)
         if self.packed_matmul and self.mesh.size > 1:
             # GSPMD cannot partition a custom call: a sharded table needs it under shard_map.
-            self.packed_matmul, self.matmul_path = False, f"XLA dot (packed kernel is single-device; mesh of {self.mesh.size})"
+            # Unpacked projections also keep model.Attention off the prefix-attention FFI
+            # kernel (it is used only with packed projections): all of it runs in XLA.
+            self.packed_matmul, self.matmul_path = False, (
+                f"XLA dot and prefix attention in XLA (the CPU kernels are single-device; mesh of {self.mesh.size})")
         self._bound = BoundModules(target, draft, pack=self.packed_matmul)
         if self.packed_matmul:
             self.matmul_path += f", {self._bound.packed} matrices packed"
-        self._rep = NamedSharding(self.mesh, PartitionSpec())
-        self.params = jax.device_put(self._bound.params, self._rep)
+        # Sharding rules: the target's from its sizes (a ConfigError when the mesh does not
+        # fit it; KV heads replicated where they do not divide "model"). The draft runs
+        # replicated over "model" (its rows on "data"): one small layer run S times per
+        # step, where tensor parallelism would add two all-reduces per draft step plus a
+        # vocabulary-wide top-k across shards. Not yet measured against a sharded draft.
+        self.rules = model_axis_rules(target.axis_sizes(), self.mesh, what="target")
+        self.draft_rules = replicated_rules(self.rules)
+        self.param_shardings = tuple(
+            tuple(NamedSharding(self.mesh, partition_spec(a, rules)) for a in axes)
+            for axes, rules in zip(self._bound.axes, (self.rules, self.draft_rules))
+        )
+        self.params = jax.device_put(self._bound.params, self.param_shardings)
         self._specs = {b: self._state_spec(b) for b in set(self.batch_buckets) | self._prefill_sizes()}
         self._graphs: dict[tuple, Any] = {}
         self.report: BuildReport | None = None
@@ -174,20 +212,31 @@ class StepTable:
         return state_spec(self.target, self.draft, list(self.shapes), b, self.max_seq_len,
                           cache_align=self.cache_align, hook_width=self.hook_width)
 
-    def _batch_sharding(self, ndim: int) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec("data", *([None] * (ndim - 1))))
+    def _batch_sharding(self, b: int, ndim: int) -> NamedSharding:
+        """Arrays of ``b`` rows (axis 0): rows on "data" when it divides ``b`` (``sharding.batch_rules``)."""
+        return NamedSharding(self.mesh, partition_spec(("batch",) + (None,) * (ndim - 1), batch_rules(self.rules, self.mesh, b)))
+
+    def state_shardings(self, b: int) -> SpecState:
+        """The sharding of every leaf of a ``b``-row state, from its logical axes: the
+        target cache by the target's rules, the draft cache by the draft's."""
+        spec = self._specs[b]
+        sh = shardings_for(spec, self.mesh, batch_rules(self.rules, self.mesh, b))
+        if spec.draft_cache is not None:
+            sh = dataclasses.replace(sh, draft_cache=shardings_for(
+                spec.draft_cache, self.mesh, batch_rules(self.draft_rules, self.mesh, b)))
+        return sh
 
     def _structs(self, b: int):
         spec = self._specs[b]
-        sh = shardings_for(spec, self.mesh)
+        sh = self.state_shardings(b)
         return jax.tree.map(lambda s, h: s.struct(h), spec, sh, is_leaf=is_spec), sh
 
     def _samp_struct(self, b: int) -> SamplingArrays:
-        return SamplingArrays(*(jax.ShapeDtypeStruct(s, d, sharding=self._batch_sharding(len(s)))
+        return SamplingArrays(*(jax.ShapeDtypeStruct(s, d, sharding=self._batch_sharding(b, len(s)))
                                 for s, d in (((b,), jnp.float32), ((b,), jnp.int32), ((b,), jnp.float32), ((b, 2), jnp.uint32))))
 
     def _int_struct(self, *shape: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._batch_sharding(len(shape)))
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._batch_sharding(shape[0], len(shape)))
 
     @property
     def target_cache_len(self) -> int:
@@ -203,7 +252,9 @@ class StepTable:
         if not self.shapes:
             return "no verify (plain only)"
         if self.backend != "gpu" or self.kernel_impl == "reference":
-            return f"XLA dense ancestor mask ({'kernel_impl=reference' if self.backend == 'gpu' else self.backend})"
+            why = (self.backend if self.backend != "gpu" else f"the kernel is single-device; mesh of {self.mesh.size}"
+                   if self.mesh.size > 1 else "kernel_impl=reference")
+            return f"XLA dense ancestor mask ({why})"
         from pallas_kernels.tree_attention import select_tree_attention_path
 
         cfg = self.target.config
@@ -229,9 +280,9 @@ class StepTable:
     def _define(self) -> list[tuple[str, tuple, Callable[[], Any]]]:
         """(name, key, compile thunk) for every graph."""
         jobs = []
-        rep = self._rep
+        psh = self.param_shardings
         bsh = self._batch_sharding
-        fin = (lambda b: bsh(1)) if self.check_finite else (lambda b: None)
+        fin = (lambda b: bsh(b, 1)) if self.check_finite else (lambda b: None)
         hook = self.tree_hook
 
         for p in self.prompt_buckets:
@@ -246,8 +297,8 @@ class StepTable:
                 _, sh = self._structs(n)
                 hd = self._int_struct(n, self.hook_width) if self.hook_width else None
                 args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n), hd)
-                in_sh = (rep, bsh(2), bsh(1), self._samp_shardings(), None if hd is None else bsh(2))
-                jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, bsh(1)), (), args)))
+                in_sh = (psh, bsh(n, 2), bsh(n, 1), self._samp_shardings(n), None if hd is None else bsh(n, 2))
+                jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, bsh(n, 1)), (), args)))
 
         for b in self.batch_buckets:
             st, sh = self._structs(b)
@@ -263,7 +314,7 @@ class StepTable:
                     return jax.tree.map(lambda s, r: s.at[rows].set(r.astype(s.dtype), mode="drop"), state, rows_state)
 
                 jobs.append((f"insert {n} into batch {b}", ("insert", b, n),
-                             self._thunk(insert, (sh, nsh, bsh(1)), sh, (0,), (st, nst, self._int_struct(n)))))
+                             self._thunk(insert, (sh, nsh, bsh(n, 1)), sh, (0,), (st, nst, self._int_struct(n)))))
             for other in self.batch_buckets:
                 if other == b:
                     continue
@@ -273,7 +324,7 @@ class StepTable:
                     return jax.tree.map(lambda s: jnp.take(s, rows, axis=0), state)
 
                 jobs.append((f"resize {b}->{other}", ("gather", b, other),
-                             self._thunk(gather, (sh, bsh(1)), osh, (), (st, self._int_struct(other)))))
+                             self._thunk(gather, (sh, bsh(other, 1)), osh, (), (st, self._int_struct(other)))))
             samp = self._samp_struct(b)
             for shape in ((None,) if self.plain else ()) + self.shapes:
                 if shape is not None and self.time_phases:
@@ -283,21 +334,21 @@ class StepTable:
 
                     rest = dataclasses.replace(st, draft_cache=None)
                     rest_sh = dataclasses.replace(sh, draft_cache=None)
-                    tree_sh = bsh(2)
+                    tree_sh = bsh(b, 2)
                     jobs.append((f"draft phase batch {b} {shape.shape}", ("draft", b, shape),
-                                 self._thunk(draft_phase, (rep, sh.draft_cache, rest_sh, self._samp_shardings()),
+                                 self._thunk(draft_phase, (psh, sh.draft_cache, rest_sh, self._samp_shardings(b)),
                                              (tree_sh, sh.draft_cache), (1,), (self.params, st.draft_cache, rest, samp))))
                 for greedy in (True, False) if self.sampled else (True,):
                     how = "greedy" if greedy else "sampled"
                     kw = dict(greedy_only=greedy, max_seq_len=self.max_seq_len)
-                    outs = (sh, bsh(2), bsh(1), fin(b))
+                    outs = (sh, bsh(b, 2), bsh(b, 1), fin(b))
                     if shape is None:
                         def plain(params, state, samp, kw=kw):
                             t, d = self._modules(params)
                             return plain_step_impl(t, d, state, samp, check_finite=self.check_finite, **kw)
 
                         jobs.append((f"plain step batch {b} {how}", ("step", b, None, greedy),
-                                     self._thunk(plain, (rep, sh, self._samp_shardings()), outs, (1,), (self.params, st, samp))))
+                                     self._thunk(plain, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))
                     elif self.time_phases:
                         def verify_phase(params, state, tree, samp, shape=shape, kw=kw):
                             t, d = self._modules(params)
@@ -306,7 +357,7 @@ class StepTable:
 
                         tree_struct = self._tree_struct(b, shape)
                         jobs.append((f"verify phase batch {b} {shape.shape} {how}", ("verify", b, shape, greedy),
-                                     self._thunk(verify_phase, (rep, sh, bsh(2), self._samp_shardings()), outs, (1,),
+                                     self._thunk(verify_phase, (psh, sh, bsh(b, 2), self._samp_shardings(b)), outs, (1,),
                                                  (self.params, st, tree_struct, samp))))
                     else:
                         def spec_step(params, state, samp, shape=shape, kw=kw):
@@ -315,12 +366,12 @@ class StepTable:
                                                          check_finite=self.check_finite, tree_hook=hook, **kw)
 
                         jobs.append((f"speculative step batch {b} {shape.shape} {how}", ("step", b, shape, greedy),
-                                     self._thunk(spec_step, (rep, sh, self._samp_shardings()), outs, (1,), (self.params, st, samp))))
+                                     self._thunk(spec_step, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))
         return jobs
 
-    def _samp_shardings(self) -> SamplingArrays:
-        b = self._batch_sharding
-        return SamplingArrays(b(1), b(1), b(1), b(2))
+    def _samp_shardings(self, b: int) -> SamplingArrays:
+        sh = self._batch_sharding
+        return SamplingArrays(sh(b, 1), sh(b, 1), sh(b, 1), sh(b, 2))
 
     def _tree_struct(self, b: int, shape: SpeculativeConfig):
         s = self._int_struct(b, shape.num_draft_tokens)
@@ -438,8 +489,8 @@ class StepTable:
         return self._get(("verify", state.seq_lens.shape[0], shape, greedy))(self.params, state, tree, samp)
 
     def device_put_rows(self, x: np.ndarray):
-        return jax.device_put(x, self._batch_sharding(x.ndim))
+        return jax.device_put(x, self._batch_sharding(x.shape[0], x.ndim))
 
     def sampling(self, params, b: int) -> SamplingArrays:
         s = SamplingArrays.build(params, b)
-        return jax.device_put(s, self._samp_shardings())
+        return jax.device_put(s, self._samp_shardings(b))

@@ -15,7 +15,12 @@ A target is an NNX module with:
 - ``cache_spec(batch, max_len)``: the *abstract* cache, a pytree of ``ArraySpec`` (shape,
   dtype, logical axes). Zero-initialisation, sharding and the step table's shapes all
   derive from it (as jax-llm-examples does), so a new attention kind (MLA's latent
-  cache, say) only describes its cache here.
+  cache, say) only describes its cache here;
+- ``axis_sizes()``: the size of each logical axis its parameters and cache split over
+  the mesh, in the units that may be split (``heads``: attention heads, not
+  ``heads * head_dim``), which ``sharding.model_axis_rules`` checks against the mesh;
+- every NNX parameter carries ``logical_axes`` metadata (one name per dimension, keys of
+  ``DEFAULT_AXIS_RULES``), from which the step table places it on the mesh.
 
 The cache contract the step math relies on: every leaf is ``[B, S, ...]``, batch on axis
 0 and cache slot on axis 1, so rows can be inserted and gathered and a tree commit can
@@ -34,18 +39,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax.errors import ConfigError
 
-# Logical axis names used by caches and parameters, and where each goes on the mesh.
-# The mesh has axes ("data", "model"); single-device today (both of size 1), the sharding
-# work fills them in. None: replicated.
+# Logical axis names used by caches and parameters, and where each goes on the mesh
+# (axes "data" and "model", built by ``eagle_jax.sharding.make_mesh``). None: replicated.
+# Parameters carry theirs as ``logical_axes`` metadata (``model.Linear`` and friends);
+# ``sharding.model_axis_rules`` adapts these rules to a model and mesh (KV heads that do
+# not divide "model" are replicated) and checks the sizes divide.
 DEFAULT_AXIS_RULES: dict[str, str | None] = {
     "batch": "data",
     "cache_seq": None,
     "kv_heads": "model",
-    "heads": "model",
+    "heads": "model",  # the flattened heads * head_dim of a projection: whole heads per shard
     "head_dim": None,
     "embed": None,
     "mlp": "model",
     "vocab": "model",
+    "draft_vocab": "model",  # the draft's reduced vocabulary (the draft runs replicated today)
+    "features": None,  # the draft's fc input: the target's concatenated feature layers
 }
 
 
@@ -85,7 +94,7 @@ def cache_len(cache) -> int:
 
 
 def default_mesh() -> Mesh:
-    """A (data=1, model=1) mesh on the first device: where everything lives today."""
+    """A (data=1, model=1) mesh on the first device (``EngineConfig.mesh``'s default)."""
     return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 
 
@@ -116,6 +125,8 @@ class TargetModel(Protocol):
     def logits(self, hidden): ...
 
     def cache_spec(self, batch: int, max_len: int): ...
+
+    def axis_sizes(self) -> dict[str, int]: ...
 
 
 # ----------------------------------------------------------------------------- registry

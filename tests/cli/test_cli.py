@@ -159,3 +159,65 @@ def test_unknown_spec_shape_is_a_start_up_error(tmp_path, capsys):
     rc = main(["generate", "--model", str(model), "--draft", str(draft), "--prompt", "x", "--spec-shapes", "chain S=2, chian S=3"])
     assert rc == 2
     assert "'chian S=3' is not 'chain S=<n>'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_tp_model(tmp_path_factory):
+    """A tiny random Llama whose heads (4), KV heads (2), MLP width and vocabulary (256)
+    split over model=2, with a word-level tokenizer."""
+    import torch
+    import transformers
+
+    from hf_factories import TINY, write_word_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_tp")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": 256}, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, 256)
+    return path
+
+
+def _run_devices(n_devices, *args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n_devices))
+    return subprocess.run([sys.executable, "-m", "eagle_jax.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tmp_path, tiny_tp_model):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["w5 w6 w7", "w9 w3 w11 w40 w8"])))
+    rows = {}
+    for mesh in ("data=1,model=1", "data=1,model=2"):
+        out = tmp_path / f"{mesh}.jsonl"
+        r = _run_devices(2, "generate", "--model", tiny_tp_model, "--prompt-file", f, "--max-new-tokens", "8",
+                         "--no-speculation", "--mesh", mesh, "--output", out)
+        assert r.returncode == 0, r.stderr
+        assert f"mesh {mesh} over" in r.stderr
+        rows[mesh] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
+    assert rows["data=1,model=2"] == rows["data=1,model=1"]
+    assert all(len(t) == 8 for t in rows["data=1,model=1"])
+
+
+def test_generate_with_a_mesh_larger_than_the_machine_is_a_clear_error(tiny_tp_model):
+    r = _run_devices(2, "generate", "--model", tiny_tp_model, "--prompt", "w5 w6", "--no-speculation",
+                     "--mesh", "data=2,model=2")
+    assert r.returncode == 2
+    assert "error: mesh data=2,model=2 needs 4 devices; 2 are available" in r.stderr
+    r = _run_devices(2, "generate", "--model", tiny_tp_model, "--prompt", "w5 w6", "--mesh", "model=two")
+    assert r.returncode == 2 and "expected 'auto' or 'data=D,model=M'" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_on_three_model_shards_matches_one_device(tmp_path, smollm2_dir):
+    """SmolLM2-135M: 9 heads, 3 KV heads, MLP 1536, vocabulary 49152, all split over model=3."""
+    rows = {}
+    for mesh in ("data=1,model=1", "data=1,model=3"):
+        out = tmp_path / f"{mesh}.jsonl"
+        r = _run_devices(3, "generate", "--model", smollm2_dir, "--prompt", "The capital of France is",
+                         "--max-new-tokens", "12", "--no-speculation", "--mesh", mesh, "--output", out, timeout=900)
+        assert r.returncode == 0, r.stderr
+        rows[mesh] = json.loads(out.read_text())["token_ids"]
+    assert "KV heads: 3 split over model" in r.stderr
+    assert rows["data=1,model=3"] == rows["data=1,model=1"]

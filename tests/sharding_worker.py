@@ -1,0 +1,144 @@
+"""The multi-device checks of ``test_sharding.py``, run in a subprocess of 8 simulated CPU
+devices (the device count is fixed when JAX starts): ``python tests/sharding_worker.py``
+with ``JAX_NUM_CPU_DEVICES=8``. Prints one JSON object on its last line of stdout.
+
+On a small random Llama target (8 heads, 4 KV heads, MLP 128, vocabulary 256) and a
+random draft: greedy tokens per mesh and mode (plain, chain, tree), the shardings of the
+placed parameters and state, the collectives of the compiled plain target step, and the
+errors for meshes that cannot work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.config import ModelConfig
+from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.errors import ConfigError
+from eagle_jax.model import LlamaModel
+from eagle_jax.policy import FixedPolicy
+from eagle_jax.runtime import StepTable
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.sharding import make_mesh
+from eagle_jax.spec_config import SpeculativeConfig
+
+MESHES = [(1, 1), (1, 8), (2, 4), (8, 1)]
+CHAIN = SpeculativeConfig(num_steps=3)
+TREE = SpeculativeConfig(num_steps=3, topk=2, num_draft_tokens=6)
+NEW_TOKENS = 10
+
+
+def tiny_target(heads=8, kv_heads=4, seed=0) -> LlamaModel:
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+                      attention_bias=True, max_position_embeddings=128)
+    return LlamaModel(cfg, rngs=nnx.Rngs(seed))
+
+
+def spec(x) -> list:
+    """A sharding's PartitionSpec as a list, trailing replicated dims dropped."""
+    p = list(x.sharding.spec)
+    while p and p[-1] is None:
+        p.pop()
+    return p
+
+
+def engines() -> dict:
+    """Greedy tokens of every mesh and mode (plain, chain, tree), through the engine."""
+    target = tiny_target()
+    draft = random_draft(target.config, seed=1, draft_vocab_size=64)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 5, 7, 9, 11, 13, 14, 6)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    # One batch bucket of 8: split over data=2 and data=8; the prefill batch of 1 (always
+    # compiled) is not a multiple of data, so its rows run replicated over data.
+    base = dict(max_batch=8, batch_buckets=(8,), max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
+    runs = {}
+    for mesh in MESHES:
+        for mode, shape in (("plain", None), ("chain", CHAIN), ("tree", TREE)):
+            cfg = EngineConfig(speculative=shape, mesh=mesh, **base)
+            engine = Engine(target, None if shape is None else draft, cfg,
+                            policy=None if shape is None else FixedPolicy(shape), progress=False)
+            done = engine.generate(prompts, params)
+            runs[f"{mesh[0]}x{mesh[1]} {mode}"] = {
+                "tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
+                "describe": engine._describe,
+            }
+    return {"runs": runs}
+
+
+def tables() -> dict:
+    """Placed shardings, the plain step's collectives, and the clear errors."""
+    target = tiny_target()
+    draft = random_draft(target.config, seed=1, draft_vocab_size=64)
+    out: dict = {"shardings": {}, "hlo": {}, "errors": {}}
+    for mesh in [(1, 8), (2, 4)]:
+        t = StepTable(target, draft, shapes=(CHAIN,), batch_buckets=(8,), prompt_buckets=(), max_seq_len=32,
+                      sampled=False, mesh=make_mesh(mesh))
+        t.build()
+        state = t.zeros(8)
+        state, _, _, _ = t.step(state, t.sampling([SamplingParams()] * 8, 8), CHAIN, True)
+        out["shardings"][f"{mesh[0]}x{mesh[1]}"] = {
+            "target": {k: spec(v) for k, v in zip(_paths(target), t.params[0])},
+            "draft": {k: spec(v) for k, v in zip(_paths(draft), t.params[1])},
+            "target_cache": spec(state.target_cache.k[0]),
+            "draft_cache": spec(state.draft_cache.k[0]),
+            "seq_lens": spec(state.seq_lens),
+            "draft_hidden": spec(state.draft_hidden),
+            "kernel_impl": t.kernel_impl,
+            "kernel_path": t.kernel_path,
+        }
+    # The compiled plain step of the target alone (no draft extend): its collectives.
+    for mesh in [(1, 8), (2, 4), (1, 1)]:
+        t = StepTable(target, None, shapes=(), batch_buckets=(2,), prompt_buckets=(), max_seq_len=32,
+                      sampled=False, mesh=make_mesh(mesh))
+        t.build()
+        text = t._get(("step", 2, None, True)).as_text()
+        ops = {op: [m.group(1) for m in re.finditer(rf"= (\S+|\(.*?\)) {op}(?:-start)?\(.*?replica_groups=(\S+)", text)]
+               for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+        out["hlo"][f"{mesh[0]}x{mesh[1]}"] = {
+            "counts": {op: len(v) for op, v in ops.items()},
+            "all-reduce": [(m.group(1), m.group(2)) for m in re.finditer(r"= (\S+|\(.*?\)) all-reduce\(.*?replica_groups=(\S+ \S+|\S+)", text)],
+            "custom_call_targets": sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))),
+            "matmul_path": t.matmul_path,
+        }
+    base = dict(max_batch=2, max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
+    for key, fn in {
+        "too many devices": lambda: make_mesh((4, 4)),
+        "heads do not divide": lambda: Engine(tiny_target(heads=6, kv_heads=2), None,
+                                              EngineConfig(speculative=None, mesh=(1, 4), **base), progress=False),
+        "kernel on a mesh": lambda: StepTable(target, None, shapes=(), batch_buckets=(2,), prompt_buckets=(),
+                                              max_seq_len=32, kernel_impl="kernel", mesh=make_mesh((1, 2))),
+    }.items():
+        try:
+            fn()
+            out["errors"][key] = None
+        except ConfigError as e:
+            out["errors"][key] = str(e)
+    return out
+
+
+def main() -> None:
+    what = sys.argv[1]
+    out = {"tables": tables, "engines": engines}[what]()
+    out["devices"] = len(jax.devices())
+    print(json.dumps(out))
+
+
+def _paths(module) -> list[str]:
+    """Parameter paths of a module in the step table's flatten order."""
+    _, state = nnx.split(module)
+    pairs, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in pairs]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Sharding over a (data, model) mesh: mesh strings and errors in this process; on 8
+simulated CPU devices (a subprocess, ``sharding_worker.py``: the device count is fixed
+when JAX starts) the placed shardings, the compiled step's collectives, the errors for
+meshes a model cannot use, and greedy output of every mesh equal to one device's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from eagle_jax.engine import EngineConfig
+from eagle_jax.errors import ConfigError
+from eagle_jax.sharding import make_mesh, parse_mesh
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+LAYERS = 4  # sharding_worker.tiny_target
+
+
+def _worker(what: str, timeout: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    r = subprocess.run([sys.executable, str(WORKER), what], capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 8  # the simulated devices took effect
+    return out
+
+
+@pytest.mark.parametrize("text, shape", [
+    ("data=2,model=4", (2, 4)), ("model=4, data=2", (2, 4)), ("model=8", (1, 8)), ("data=1,model=1", (1, 1)),
+    ("auto", "auto"), (" AUTO ", "auto"),
+])
+def test_mesh_strings(text, shape):
+    assert parse_mesh(text) == shape
+    assert EngineConfig(mesh=text).mesh == shape
+
+
+@pytest.mark.parametrize("value", ["data=2,model=", "data=0,model=1", "rows=2", "data=2,data=2", (2,), (0, 1), "2x4"])
+def test_bad_mesh_values_are_clear_errors(value):
+    with pytest.raises(ConfigError, match="mesh"):
+        EngineConfig(mesh=value)
+
+
+def test_default_mesh_is_one_device():
+    assert EngineConfig().mesh == (1, 1)
+    mesh = make_mesh((1, 1))
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+
+
+def test_more_devices_than_exist_is_a_clear_error():
+    n = len(jax.devices())
+    with pytest.raises(ConfigError, match=rf"needs {n + 1} devices; {n} (is|are) available"):
+        make_mesh((1, n + 1))
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return _worker("tables", timeout=600)
+
+
+def test_parameters_and_caches_are_sharded_as_the_rules_say(tables):
+    for mesh, kv_split in (("1x8", False), ("2x4", True)):
+        sh = tables["shardings"][mesh]
+        t = sh["target"]
+        kv = [None, "model"] if kv_split else []  # 4 KV heads: split over model=4, replicated over model=8
+        for i in range(LAYERS):
+            p = f"layers.{i}."
+            assert t[p + "self_attn.q_proj.kernel"] == [None, "model"], mesh
+            assert t[p + "self_attn.q_proj.bias"] == ["model"]
+            assert t[p + "self_attn.k_proj.kernel"] == kv and t[p + "self_attn.v_proj.kernel"] == kv, mesh
+            assert t[p + "self_attn.k_proj.bias"] == kv[1:]
+            assert t[p + "self_attn.o_proj.kernel"] == ["model"]  # rows: the input heads
+            assert t[p + "mlp.gate_proj.kernel"] == t[p + "mlp.up_proj.kernel"] == [None, "model"]
+            assert t[p + "mlp.down_proj.kernel"] == ["model"]
+            assert t[p + "input_layernorm.weight"] == t[p + "post_attention_layernorm.weight"] == []
+        assert t["embed_tokens"] == ["model"] and t["lm_head"] == [None, "model"] and t["norm.weight"] == []
+        assert all(v == [] for v in sh["draft"].values()), sh["draft"]  # the draft runs replicated
+        # Caches [B, S, KV, D]: rows on data, KV heads on model where they divide it.
+        assert sh["target_cache"] == (["data", None, "model"] if kv_split else ["data"])
+        assert sh["draft_cache"] == ["data"] and sh["seq_lens"] == ["data"] and sh["draft_hidden"] == ["data"]
+        assert sh["kernel_impl"] == "reference" and "single-device" in sh["kernel_path"]
+
+
+def test_the_plain_step_holds_the_tensor_parallel_collectives(tables):
+    """Measured on the compiled plain step of the target alone, batch 2:
+
+    - all-reduce of the ``[B, 1, H]`` hidden state over model: one per layer after
+      o_proj and one after down_proj (row-split products), and one for the embedding
+      lookup (the table is split by vocabulary: each shard looks up its own rows, zero
+      elsewhere, and the sum joins them): 2 * layers + 1;
+    - on data=2 one more all-reduce, of int32 scalars: the batch-wide longest prefix,
+      the trip count of each layer's prefix-attention loop (one tuple for all layers);
+    - all-gather: 2 for the greedy argmax over the vocabulary-split logits (each shard's
+      best value and index), plus on model=8 two per layer of the new token's k and v:
+      the 4 KV heads are replicated there (8 does not divide 4), and GSPMD computes them
+      split by KV head to match the split queries, then gathers them for the replicated
+      cache write (a sharding constraint could trade these for redundant projections);
+    - no custom calls (the CPU FFI kernels are off under a mesh), which the one-device
+      table has.
+    """
+    hlo = tables["hlo"]
+    for mesh, data_reduce, kv_gathers in (("1x8", 0, 2 * LAYERS), ("2x4", 1, 0)):
+        h = hlo[mesh]
+        shapes = [s for s, _ in h["all-reduce"]]
+        hidden = [s for s in shapes if s.startswith("f32[") and s.split("{")[0].endswith(",1,64]")]
+        assert len(hidden) == 2 * LAYERS + 1, (mesh, shapes)
+        assert len(shapes) - len(hidden) == data_reduce, (mesh, shapes)
+        assert all("s32" in s for s in shapes if s not in hidden)
+        assert h["counts"]["all-gather"] == 2 + kv_gathers, (mesh, h["counts"])
+        assert h["counts"]["all-to-all"] == h["counts"]["collective-permute"] == h["counts"]["reduce-scatter"] == 0
+        assert h["custom_call_targets"] == [], h
+        assert "single-device" in h["matmul_path"]
+    assert hlo["1x1"]["counts"] == {k: 0 for k in hlo["1x1"]["counts"]}
+
+
+def test_meshes_the_model_cannot_use_are_clear_errors(tables):
+    e = tables["errors"]
+    assert e["too many devices"] == "mesh data=4,model=4 needs 16 devices; 8 are available (cpu)"
+    # 6 heads on model=4; the sizes that divide heads, MLP width and vocabulary are named.
+    assert "heads 6 is not a multiple of model=4" in e["heads do not divide"]
+    assert e["heads do not divide"].endswith("model sizes it can use (dividing heads 6, mlp 128, vocab 256, up to the 8 devices): 1, 2")
+    assert "kernel_impl='kernel' needs a single-device mesh" in e["kernel on a mesh"]
+
+
+@pytest.mark.slow
+def test_every_mesh_decodes_like_one_device():
+    """(1, 8), (2, 4), (8, 1) against (1, 1): greedy tokens of 8 prompts through the
+    engine, plain and speculative (a chain and a tree), token for token."""
+    runs = _worker("engines", timeout=1200)["runs"]
+    reference = runs["1x1 plain"]["tokens"]
+    assert all(len(t) == 10 for t in reference) and len({tuple(t) for t in reference}) > 1
+    for name, r in runs.items():
+        assert r["tokens"] == reference, name
+        if not name.startswith("1x1"):
+            assert "kernels reference" in r["describe"] and "mesh data=" in r["describe"], r["describe"]
+    assert "KV heads: 4, replicated over model=8" in runs["1x8 plain"]["describe"]
+    assert "KV heads: 4 split over model" in runs["2x4 chain"]["describe"]
+    assert "draft replicated over model" in runs["2x4 tree"]["describe"]
+    assert "batch rows split over data=8" in runs["8x1 plain"]["describe"]
