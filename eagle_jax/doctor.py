@@ -296,12 +296,10 @@ def expected_shapes(build: Callable[[], Any], names: dict[tuple, tuple[str, bool
     """
     from flax import nnx
 
+    from eagle_jax.target import checkpoint_shapes
+
     flat = dict(nnx.to_flat_state(nnx.state(nnx.eval_shape(build))))
-    shapes = {}
-    for path, (name, transpose) in names.items():
-        shape = tuple(int(n) for n in flat[path].shape)
-        shapes[name] = shape[::-1] if transpose else shape
-    return shapes
+    return checkpoint_shapes(names, {p: flat[p].shape for p in names})
 
 
 def check_tensors(check: dict[str, Any], files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:

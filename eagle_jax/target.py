@@ -55,6 +55,8 @@ DEFAULT_AXIS_RULES: dict[str, str | None] = {
     "vocab": "model",
     "draft_vocab": "model",  # the draft's reduced vocabulary (the draft runs replicated today)
     "features": None,  # the draft's fc input: the target's concatenated feature layers
+    "latent": None,  # MLA's low-rank widths (q_lora_rank, kv_lora_rank) and its latent cache
+    "experts": None,  # the routed experts of a mixture-of-experts layer (expert parallelism: later)
 }
 
 
@@ -179,4 +181,25 @@ def family_for(config_dict: dict, where: str = "config.json") -> TargetFamily:
 def _ensure_builtin() -> None:
     # The built-in families register themselves on import; importing here (not at module
     # top) keeps this module below model.py in the layering.
+    import eagle_jax.deepseek  # noqa: F401
     import eagle_jax.model  # noqa: F401
+
+
+def checkpoint_shapes(names: dict, shapes: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> its shape in the file, from a family's ``param_names`` map
+    and the module's parameter shapes (path -> shape).
+
+    A map entry is ``(name, transpose)``, or ``((name_0, ..., name_{E-1}), transpose)`` for
+    a parameter stacked from one tensor per expert (``[E, ...]``: tensor e is slice e).
+    Transposed tensors are stored PyTorch-style ``[out, in]``, the reverse of our kernels."""
+    out = {}
+    for path, (name, transpose) in names.items():
+        shape = tuple(int(n) for n in shapes[path])
+        if isinstance(name, tuple):
+            if len(name) != shape[0]:
+                raise RuntimeError(f"{path}: {len(name)} stacked tensors for a leading axis of {shape[0]}")
+            inner = shape[1:][::-1] if transpose else shape[1:]
+            out.update({n: inner for n in name})
+        else:
+            out[name] = shape[::-1] if transpose else shape
+    return out

@@ -75,3 +75,45 @@ def write_word_tokenizer(directory, vocab_size: int, eos_id: int = 2) -> None:
     backend.decoder = decoders.WordPiece()  # joins words with spaces
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"unk_token": "w0", "eos_token": f"w{eos_id}"}))
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3
+
+DS_TINY = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+    v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=2.5,
+    max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+            mscale=1.0, mscale_all_dim=1.0)
+
+# Each variant covers what the issue asks the parity tests to: q_lora and no q_lora,
+# n_group > 1 with topk_group < n_group, dense-then-MoE layers, YaRN, both RoPE layouts.
+DEEPSEEK = {
+    # Kimi-K2-like: q_lora, YaRN, one dense layer then MoE, grouped routing.
+    "ds_qlora_yarn_groups": dict(q_lora_rank=24, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                 rope_parameters=dict(rope_theta=50000.0, **YARN)),
+    # DeepSeek-V2-Lite-like: no q_lora, plain RoPE, every layer MoE, one group, no shared expert.
+    "ds_plain": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=0,
+                     norm_topk_prob=False, rope_interleave=False),
+}
+
+
+def make_deepseek_model(kind: str, seed: int = 0):
+    """A random ``DeepseekV3ForCausalLM``; norms, biases, router weights and the router's
+    correction bias are perturbed so that a misplaced one changes the logits (and routing
+    is decided by the weights, not by ties)."""
+    cfg = transformers.DeepseekV3Config(**{**DS_TINY, **DEEPSEEK[kind]})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    return model

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from eagle_jax.config import ModelConfig, read_config_json
 from eagle_jax.errors import CheckpointError
 from eagle_jax.model import NameMap, param_name_map  # noqa: F401  (re-exported: doctor and tests use them from here)
-from eagle_jax.target import TargetModel, family_for
+from eagle_jax.target import TargetModel, checkpoint_shapes, family_for
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ def load_model(
     unmapped = [p for p in flat if p not in names]
     if unmapped:  # a programming error, not a user one: the map must cover the model
         raise RuntimeError(f"no checkpoint name for model parameter(s) {unmapped}")
-    wanted: dict[str, tuple[int, ...]] = {}
-    for p, (name, transpose) in names.items():
-        shape = tuple(flat[p].shape)
-        wanted[name] = shape[::-1] if transpose else shape
+    wanted = checkpoint_shapes(names, {p: flat[p].shape for p in names})
     tensors = read_tensors(safetensors_files(path), wanted)
     for p, (name, transpose) in names.items():
-        arr = tensors[name].T if transpose else tensors[name]
-        flat[p].set_value(jnp.asarray(np.ascontiguousarray(arr), dtype=dtype))
+        parts = [tensors[n].T if transpose else tensors[n] for n in (name if isinstance(name, tuple) else (name,))]
+        arr = np.stack(parts) if isinstance(name, tuple) else parts[0]
+        # Each parameter keeps the dtype its module gave it: the compute dtype, or float32
+        # where the module asks for it (a MoE router), or an integer type (packed weights).
+        flat[p].set_value(jnp.asarray(np.ascontiguousarray(arr), dtype=flat[p].dtype))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     log.info("loaded %s (%s, %d layers, dtype %s)", path, cfg.architecture, cfg.num_hidden_layers, jnp.dtype(dtype).name)
     return model
