@@ -81,6 +81,72 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """One MLA attention block: what ``MLAttention`` is built from (a DeepSeek-V3 target's
+    layers, ``DeepseekV3Config.mla``, or an MLA EAGLE-3 draft's one layer)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float = 10000.0
+    rope: YarnRope | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim) squared."""
+        scale = self.qk_head_dim ** -0.5
+        if self.rope is not None and self.rope.mscale_all_dim:
+            m = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], where: str = "config.json") -> "MLAConfig":
+        required = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        missing = [k for k in required if d.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where} lacks required MLA field(s): {', '.join(missing)}")
+        for k in required + ("q_lora_rank",):
+            v = d.get(k)
+            if v is None and k == "q_lora_rank":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{where}: {k}={v!r} must be a positive integer")
+        if d["qk_rope_head_dim"] % 2:
+            raise ConfigError(f"{where}: qk_rope_head_dim={d['qk_rope_head_dim']} must be even for RoPE")
+        rope, theta = _rope_from_hf(d)
+        return cls(
+            hidden_size=d["hidden_size"], num_attention_heads=d["num_attention_heads"], kv_lora_rank=d["kv_lora_rank"],
+            q_lora_rank=d.get("q_lora_rank"), qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"], rope_theta=theta, rope=rope, rope_interleave=bool(d.get("rope_interleave", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+        )
+
+    def to_hf_fields(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads, "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim, "rope_theta": self.rope_theta,
+            "rope_interleave": self.rope_interleave, "attention_bias": self.attention_bias,
+        }
+        if self.rope is not None:
+            r = dataclasses.asdict(self.rope)
+            d["rope_scaling"] = {"type": "yarn", **{k: v for k, v in r.items() if v is not None}}
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
 class DeepseekV3Config:
     """A DeepSeek-V3 decoder (Kimi-K2's text model has this architecture).
 
@@ -187,13 +253,17 @@ class DeepseekV3Config:
         return i >= self.first_k_dense_replace
 
     @property
+    def mla(self) -> MLAConfig:
+        return MLAConfig(
+            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads, kv_lora_rank=self.kv_lora_rank,
+            q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim, rope_theta=self.rope_theta, rope=self.rope, rope_interleave=self.rope_interleave,
+            attention_bias=self.attention_bias,
+        )
+
+    @property
     def softmax_scale(self) -> float:
-        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim) squared."""
-        scale = self.qk_head_dim ** -0.5
-        if self.rope is not None and self.rope.mscale_all_dim:
-            m = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
-            scale = scale * m * m
-        return scale
+        return self.mla.softmax_scale
 
     def replace(self, **changes: Any) -> "DeepseekV3Config":
         return dataclasses.replace(self, **changes)
@@ -346,7 +416,7 @@ def yarn_inv_freq(dim: int, theta: float, rope: YarnRope | None) -> tuple[np.nda
     return inv.astype(np.float32), float(attn)
 
 
-def rope_tables(positions: Int[Array, "B T"], cfg: DeepseekV3Config) -> tuple[Float[Array, "B T D2"], Float[Array, "B T D2"]]:
+def rope_tables(positions: Int[Array, "B T"], cfg: "MLAConfig | DeepseekV3Config") -> tuple[Float[Array, "B T D2"], Float[Array, "B T D2"]]:
     """cos and sin ``[B, T, rope_dim / 2]`` (one per frequency), with YaRN's scaling."""
     inv, attn = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)
@@ -379,10 +449,12 @@ class MLACache:
     rope_key: list[Array]
 
     @staticmethod
-    def spec(cfg: DeepseekV3Config, batch: int, max_len: int, dtype=jnp.float32) -> "MLACache":
+    def spec(cfg, batch: int, max_len: int, dtype=jnp.float32, layers: int | None = None) -> "MLACache":
+        """``cfg``: a ``DeepseekV3Config`` (one entry per layer) or an ``MLAConfig`` with ``layers``."""
+        n = cfg.num_hidden_layers if layers is None else layers
         lat = ArraySpec((batch, max_len, cfg.kv_lora_rank), jnp.dtype(dtype), ("batch", "cache_seq", "latent"))
         pe = ArraySpec((batch, max_len, cfg.qk_rope_head_dim), jnp.dtype(dtype), ("batch", "cache_seq", "head_dim"))
-        return MLACache(latent=[lat] * cfg.num_hidden_layers, rope_key=[pe] * cfg.num_hidden_layers)
+        return MLACache(latent=[lat] * n, rope_key=[pe] * n)
 
 
 def dense_mask(mask, tree: TreeAttention | None, t: int, s: int) -> Bool[Array, "B T S"]:
@@ -396,11 +468,13 @@ def dense_mask(mask, tree: TreeAttention | None, t: int, s: int) -> Bool[Array, 
     if isinstance(mask, PrefixMask):
         return mask.dense(s)
     if mask is None or not hasattr(mask, "shape"):
-        raise ValueError(f"MLA attention needs a boolean mask, a PrefixMask or a tree; got {type(mask).__name__}")
+        # StepDiagonalMask: draft training's unrolled steps (not implemented for an MLA draft).
+        raise ConfigError(f"MLA attention takes a boolean mask, a PrefixMask or a tree, not a {type(mask).__name__} "
+                          "(training an MLA draft is not supported; it can be loaded and run)")
     return mask
 
 
-def mla_form(cfg: DeepseekV3Config, t: int, s: int) -> str:
+def mla_form(cfg: "MLAConfig | DeepseekV3Config", t: int, s: int) -> str:
     """The cheaper attention form for T new tokens over S cache slots, by multiply-adds
     per head: naive expands S latents (S * r * (nope + v)) then attends with 192/128-wide
     keys/values; absorbed moves T queries and outputs through kv_b (T * r * (nope + v))
@@ -445,10 +519,12 @@ def mla_attention(
 class MLAttention(nnx.Module):
     """Multi-head latent attention with a latent cache (``MLACache``)."""
 
-    def __init__(self, cfg: DeepseekV3Config, *, dtype, rngs: nnx.Rngs, form: str = "auto"):
+    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs, form: str = "auto", d_in: int | None = None):
+        """``d_in``: the input width (an EAGLE-3 draft's layer reads [embedding, hidden], 2H);
+        the output is ``hidden_size`` wide."""
         if form not in MLA_FORMS:
             raise ConfigError(f"MLA form {form!r}; valid: {', '.join(MLA_FORMS)}")
-        h, n = cfg.hidden_size, cfg.num_attention_heads
+        h, n = d_in or cfg.hidden_size, cfg.num_attention_heads
         bias = cfg.attention_bias
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(h, n * cfg.qk_head_dim, axes=("embed", "heads"), bias=False, dtype=dtype, rngs=rngs)
@@ -467,7 +543,7 @@ class MLAttention(nnx.Module):
             jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim)), dtype),
             logical_axes=("latent", "heads"),
         )
-        self.o_proj = Linear(n * cfg.v_head_dim, h, axes=("heads", "embed"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(n * cfg.v_head_dim, cfg.hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
         self.form = form
 
@@ -600,7 +676,7 @@ class MoE(nnx.Module):
 class DeepseekDecoderLayer(nnx.Module):
     def __init__(self, cfg: DeepseekV3Config, i: int, *, dtype, rngs: nnx.Rngs, moe_impl: str, mla_form: str):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs, form=mla_form)
+        self.self_attn = MLAttention(cfg.mla, dtype=dtype, rngs=rngs, form=mla_form)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = (
             MoE(cfg, dtype=dtype, rngs=rngs, impl=moe_impl) if cfg.is_moe_layer(i)

@@ -62,11 +62,25 @@ class DraftConfig:
     has_embed_tokens: bool = False
     norm_before_residual: bool = False
     target_num_hidden_layers: int | None = None
+    # An MLA draft layer (the Kimi-K2.5 ``Eagle3DeepseekV2ForCausalLM`` format): its
+    # attention is this MLA block reading [embedding, hidden], with a latent cache;
+    # None: the Llama layer (``num_attention_heads``, ``head_dim``, ... describe it).
+    mla: Any = None
 
     def __post_init__(self):
         # Lists (e.g. from JSON) would make the config unhashable.
         if isinstance(self.aux_layer_ids, list):
             object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+        if self.mla is not None:
+            # An MLA layer's attention sizes and RoPE are its own (``mla``); the Llama
+            # fields are set from them, so two descriptions of one draft compare equal.
+            if self.mla.hidden_size != self.hidden_size:
+                raise ConfigError(f"draft mla.hidden_size={self.mla.hidden_size} differs from hidden_size={self.hidden_size}")
+            for name, value in (("num_attention_heads", self.mla.num_attention_heads),
+                                ("num_key_value_heads", self.mla.num_attention_heads),
+                                ("head_dim", self.mla.qk_rope_head_dim), ("rope_theta", self.mla.rope_theta),
+                                ("rope_scaling", RopeScaling())):
+                object.__setattr__(self, name, value)
         positive = (
             "hidden_size",
             "intermediate_size",
@@ -233,7 +247,12 @@ class Eagle3MidLayer(nnx.Module):
         h = cfg.hidden_size
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg.layer_config, dtype=dtype, rngs=rngs, d_in=2 * h)
+        if cfg.mla is not None:
+            from eagle_jax.deepseek import MLAttention
+
+            self.self_attn = MLAttention(cfg.mla, dtype=dtype, rngs=rngs, d_in=2 * h)
+        else:
+            self.self_attn = Attention(cfg.layer_config, dtype=dtype, rngs=rngs, d_in=2 * h)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = cfg.norm_before_residual
@@ -300,11 +319,25 @@ class Eagle3Draft(nnx.Module):
           ``logits``; the updated cache).
         """
         cfg = self.config
+        emb = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        if cfg.mla is not None:
+            from eagle_jax.deepseek import MLACache, rope_tables
+
+            cos, sin = rope_tables(positions, cfg.mla)
+            h, lat, pe = self.midlayer(emb, hidden, cos, sin, cache.latent[0], cache.rope_key[0], cache_slots, mask)
+            return h, MLACache(latent=[lat], rope_key=[pe])
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq)
-        emb = jnp.take(self.embed_tokens[...], tokens, axis=0)
         h, k, v = self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], cache_slots, mask)
         return h, KVCache(k=[k], v=[v])
+
+    def cache_spec(self, batch: int, max_len: int, dtype) -> Any:
+        """The abstract one-layer draft cache: KV for a Llama layer, the latent for MLA."""
+        if self.config.mla is not None:
+            from eagle_jax.deepseek import MLACache
+
+            return MLACache.spec(self.config.mla, batch, max_len, dtype, layers=1)
+        return KVCache.spec(self.config.layer_config, batch, max_len, dtype)
 
     def logits(self, h: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
         """Draft-vocabulary logits (float32) of a pre-norm draft output."""
@@ -313,3 +346,4 @@ class Eagle3Draft(nnx.Module):
     def draft_to_target(self, ids: Int[Array, "..."]) -> Int[Array, "..."]:
         """Map draft-vocabulary ids to target-vocabulary ids."""
         return ids + self.d2t[...][ids]
+

@@ -433,7 +433,7 @@ def state_spec(
     dtype = jnp.dtype(target.dtype)
     return SpecState(
         target_cache=target.cache_spec(batch, t_len),
-        draft_cache=None if draft is None else KVCache.spec(draft.config.layer_config, batch, d_len, dtype),
+        draft_cache=None if draft is None else draft.cache_spec(batch, d_len, dtype),
         seq_lens=ArraySpec((batch,), jnp.dtype(jnp.int32), ("batch",)),
         root=ArraySpec((batch,), jnp.dtype(jnp.int32), ("batch",)),
         draft_hidden=None if draft is None else ArraySpec((batch, draft.config.hidden_size), dtype, ("batch", "embed")),

@@ -59,6 +59,10 @@ from eagle_jax.model import LlamaModel
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
+# A one-MLA-layer draft (vLLM's deepseek_eagle3; released for Kimi-K2.5): the same
+# tensors but the attention's, which are MLA's (q_a/q_b or q, kv_a_proj_with_mqa, norms,
+# kv_b_proj, o_proj), reading [embedding, hidden] like the Llama layer's.
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 LAYER_ID_CONVENTIONS = ("auto", "input", "output")
 # Tensors that are not NNX parameters: the vocabulary maps (index arrays, read separately).
 D2T, T2D, EMBED = "d2t", "t2d", "embed_tokens.weight"
@@ -197,11 +201,15 @@ def draft_config_from_hf(
     in errors.
     """
     arch = (d.get("architectures") or [ARCHITECTURES[0]])[0]
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"draft architecture {arch!r} is not supported; valid: {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES + MLA_ARCHITECTURES:
+        raise ConfigError(
+            f"draft architecture {arch!r} is not supported; valid: {', '.join(ARCHITECTURES + MLA_ARCHITECTURES)}"
+        )
     layers = d.get("num_hidden_layers", 1)
     if layers != 1:
         raise ConfigError(f"draft num_hidden_layers={layers!r} is not supported; valid: 1")
+    if arch in MLA_ARCHITECTURES:
+        return _mla_draft_config(d, target_cfg, layer_id_convention, has_embed_tokens, source)
     # The draft layer is a Llama layer: parse sizes, norm epsilon and RoPE (with HF defaults,
     # e.g. rope_theta 10000 when absent) exactly as for a Llama target.
     base = ModelConfig.from_hf_dict({**d, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
@@ -222,6 +230,36 @@ def draft_config_from_hf(
         has_embed_tokens=has_embed_tokens,
         norm_before_residual=bool(d.get("norm_before_residual", False)),
         target_num_hidden_layers=target_cfg.num_hidden_layers if target_cfg is not None else None,
+    )
+
+
+def _mla_draft_config(d, target_cfg, convention, has_embed_tokens, source) -> DraftConfig:
+    from eagle_jax.deepseek import MLAConfig
+
+    for field in ("fc_norm", "norm_output"):  # vLLM variants not implemented here
+        if d.get(field):
+            raise ConfigError(f"{source}: {field}={d[field]!r} is not supported; supported: false")
+    for field in ("vocab_size", "intermediate_size"):
+        if not isinstance(d.get(field), int) or d[field] <= 0:
+            raise ConfigError(f"{source}: {field}={d.get(field)!r} must be a positive integer")
+    mla = MLAConfig.from_hf_dict(d, source)
+    heads = mla.num_attention_heads
+    return DraftConfig(
+        hidden_size=mla.hidden_size,
+        intermediate_size=d["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=mla.qk_rope_head_dim,  # unused by an MLA layer (its sizes are in ``mla``)
+        vocab_size=d["vocab_size"],
+        draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+        target_hidden_size=int(d.get("target_hidden_size") or mla.hidden_size),
+        aux_layer_ids=_aux_layer_ids(d, target_cfg, convention, source),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        has_embed_tokens=has_embed_tokens,
+        norm_before_residual=bool(d.get("norm_before_residual", False)),
+        target_num_hidden_layers=target_cfg.num_hidden_layers if target_cfg is not None else None,
+        mla=mla,
     )
 
 
@@ -247,6 +285,21 @@ def _aux_layer_ids(
 
 def draft_config_to_hf(cfg: DraftConfig, dtype: jnp.dtype) -> dict[str, Any]:
     """The released config.json of a draft (aux ids per ``to_file_layer_ids``)."""
+    if cfg.mla is not None:
+        d = {
+            "architectures": [MLA_ARCHITECTURES[0]], "model_type": "deepseek_v3", **cfg.mla.to_hf_fields(),
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+            "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": jnp.dtype(dtype).name,
+            "eagle_config": {"use_aux_hidden_state": True},
+        }
+        file_ids = to_file_layer_ids(cfg)
+        if file_ids is not None:
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": file_ids, **d["eagle_config"]}
+        if cfg.norm_before_residual:
+            d["norm_before_residual"] = True
+        return d
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[0]],
         "model_type": "llama",
@@ -314,8 +367,21 @@ def draft_name_map(cfg: DraftConfig) -> NameMap:
     names: NameMap = {("fc", "kernel"): ("fc.weight", True)}
     for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
         names[("midlayer", norm, "weight")] = (f"midlayer.{norm}.weight", False)
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        names[("midlayer", "self_attn", proj, "kernel")] = (f"midlayer.self_attn.{proj}.weight", True)
+    if cfg.mla is None:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[("midlayer", "self_attn", proj, "kernel")] = (f"midlayer.self_attn.{proj}.weight", True)
+    else:
+        mla, a = cfg.mla, ("midlayer", "self_attn")
+        projs = ["kv_a_proj_with_mqa", "o_proj"] + (["q_proj"] if mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"])
+        for proj in projs:
+            names[a + (proj, "kernel")] = (f"midlayer.self_attn.{proj}.weight", True)
+        if mla.attention_bias:
+            for proj in ["kv_a_proj_with_mqa", "o_proj"] + ([] if mla.q_lora_rank is None else ["q_a_proj"]):
+                names[a + (proj, "bias")] = (f"midlayer.self_attn.{proj}.bias", False)
+        names[a + ("kv_b",)] = ("midlayer.self_attn.kv_b_proj.weight", True)
+        names[a + ("kv_a_layernorm", "weight")] = ("midlayer.self_attn.kv_a_layernorm.weight", False)
+        if mla.q_lora_rank is not None:
+            names[a + ("q_a_layernorm", "weight")] = ("midlayer.self_attn.q_a_layernorm.weight", False)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         names[("midlayer", "mlp", proj, "kernel")] = (f"midlayer.mlp.{proj}.weight", True)
     names[("norm", "weight")] = ("norm.weight", False)
@@ -474,14 +540,15 @@ def save_draft(draft: Eagle3Draft, path: str | Path, *, dtype: str | None = None
 
 
 def random_draft(
-    target_cfg: ModelConfig, *, seed: int, draft_vocab_size: int | None = None
+    target_cfg: ModelConfig, *, seed: int, draft_vocab_size: int | None = None, mla=None
 ) -> Eagle3Draft:
-    """A random draft for ``target_cfg`` (float32, own embedding) for tests.
+    """A random draft for ``target_cfg`` (float32, own embedding) for tests; ``mla``
+    (a ``deepseek.MLAConfig``) makes its layer an MLA one.
 
     Norm weights are perturbed away from 1 so a misplaced norm shows; the draft
     vocabulary is a random sorted subset of the target's.
     """
-    overrides: dict[str, Any] = {"has_embed_tokens": True}
+    overrides: dict[str, Any] = {"has_embed_tokens": True, "mla": mla}
     if draft_vocab_size is not None:
         overrides["draft_vocab_size"] = draft_vocab_size
     cfg = DraftConfig.for_target(target_cfg, **overrides)

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.errors import EagleJaxError, InputError
-from eagle_jax.model import BoundModules, KVCache, LlamaModel, causal_mask
+from eagle_jax.model import BoundModules, LlamaModel, causal_mask
+from eagle_jax.target import init_from_spec
 from eagle_jax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -342,7 +343,7 @@ def _forward_fn(target: LlamaModel):
         (model,) = bound.modules(params)
         b, width = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(width), (b, width))
-        cache = KVCache.zeros(model.config, b, width)
+        cache = init_from_spec(model.cache_spec(b, width))  # any target's cache (the seam)
         h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True)
         return h, feats, jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
 

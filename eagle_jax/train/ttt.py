@@ -183,6 +183,9 @@ def ttt_forward(
     masks = ttt_mask(width, ttt_length) if attention == "dense" else None
     positions = jnp.broadcast_to(jnp.arange(width)[None, :], (b, width))
     dcfg = draft.config
+    if dcfg.mla is not None:
+        raise ConfigError("training an MLA draft (Eagle3DeepseekV2ForCausalLM) is not supported; "
+                          "train a Llama-layer draft (LlamaForCausalLMEagle3) for this target")
     shape = (b, width + (ttt_length - 1) * rows, dcfg.num_key_value_heads, dcfg.head_dim)
     cache = KVCache(k=[jnp.zeros(shape, jnp.float32)], v=[jnp.zeros(shape, jnp.float32)])
     hidden = draft.fuse(features.astype(jnp.float32))

@@ -220,3 +220,86 @@ def test_yarn_softmax_scale_and_frequencies_match_transformers():
         np.testing.assert_allclose(inv, inv_ref.numpy(), rtol=1e-6)
         assert attn == pytest.approx(attn_ref)
         assert ours.softmax_scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, ours.qk_head_dim ** -0.5))
+
+
+def _kimi_mla(target_cfg):
+    """A draft MLA layer shaped unlike the target's (other ranks, no q_lora, YaRN)."""
+    from eagle_jax.deepseek import MLAConfig, YarnRope
+
+    return MLAConfig(hidden_size=target_cfg.hidden_size, num_attention_heads=2, kv_lora_rank=12, q_lora_rank=None,
+                     qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10, rope_theta=50000.0,
+                     rope=YarnRope(factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0))
+
+
+@pytest.mark.parametrize("fmt", ["mla", "llama-full-vocab"])
+def test_kimi_draft_formats_load_and_speculate_losslessly(ds_checkpoint, fmt, tmp_path):
+    """Both released Kimi-K2.5 draft formats: ``Eagle3DeepseekV2ForCausalLM`` (one MLA
+    layer) and ``LlamaForCausalLMEagle3`` with the full vocabulary (no draft_vocab_size,
+    d2t or t2d in the files). Written, read back (outputs equal), then chains and trees
+    at batch 1 and 4 are token-identical to plain decoding."""
+    from eagle_jax.checkpoint.draft_io import load_draft, save_draft
+
+    kind, _, path = ds_checkpoint
+    target = load_model(path)
+    if fmt == "mla":
+        draft = random_draft(target.config, seed=3, draft_vocab_size=64, mla=_kimi_mla(target.config))
+    else:
+        draft = random_draft(target.config, seed=3, draft_vocab_size=target.config.vocab_size)
+    save_draft(draft, tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    if fmt == "mla":
+        assert d["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and "kv_b_proj" in str(_tensor_names(tmp_path))
+    else:
+        from safetensors.numpy import load_file, save_file
+
+        del d["draft_vocab_size"]  # as the released Kimi Llama-format draft has it
+        (tmp_path / "config.json").write_text(json.dumps(d))
+        tensors = {k: v for k, v in load_file(tmp_path / "model.safetensors").items() if k not in ("d2t", "t2d")}
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_draft(tmp_path, target=target)
+    assert loaded.config == draft.config
+    toks = jnp.asarray([[5, 6, 7]])
+    pos = jnp.arange(3)[None]
+    hidden = jax.random.normal(jax.random.key(0), (1, 3, target.config.hidden_size))
+    outs = []
+    for m in (draft, loaded):
+        cache = init_from_spec(m.cache_spec(1, 8, jnp.float32))
+        h, _ = m(toks, hidden, pos, cache, pos, causal_mask(pos, 8))
+        outs.append(np.asarray(m.logits(h)))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, target.config.vocab_size, n).tolist() for n in (6, 3, 9, 4)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = Generator(target, buckets=SMALL, max_seq_len=64).generate(prompts, params)
+    oracle = [p + c.token_ids for p, c in zip(prompts, plain)]
+    for spec in (SpeculativeConfig(num_steps=2), SpeculativeConfig(num_steps=3, topk=2, num_draft_tokens=5)):
+        gen = SpeculativeGenerator(target, loaded, spec, buckets=SMALL, max_seq_len=64)
+        for batch in (prompts[:1], prompts):
+            assert [c.token_ids for c in gen.generate(batch, params)] == [c.token_ids for c in plain[:len(batch)]]
+        out = gen.generate(prompts, params, oracle=oracle, oracle_noise=0.3)
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain], (kind, fmt, spec)
+
+
+def _tensor_names(path):
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "np") as f:
+        return list(f.keys())
+
+
+def test_a_draft_that_does_not_fit_is_named(ds_checkpoint, tmp_path):
+    from eagle_jax.checkpoint.draft_io import load_draft, save_draft
+    from eagle_jax.errors import CheckpointError
+
+    _, _, path = ds_checkpoint
+    target = load_model(path)
+    save_draft(random_draft(target.config, seed=1, draft_vocab_size=64), tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**d, "target_hidden_size": 32}))
+    with pytest.raises((ConfigError, CheckpointError), match="target_hidden_size=32"):
+        load_draft(tmp_path, target=target)
+    n = target.config.num_hidden_layers
+    (tmp_path / "config.json").write_text(json.dumps({**d, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, n]}}))
+    with pytest.raises(ConfigError, match="eagle_aux_hidden_state_layer_ids"):
+        load_draft(tmp_path, target=target)
