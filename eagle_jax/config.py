@@ -41,6 +41,13 @@ def read_config_json(path: str | Path, kind: str) -> dict[str, Any]:
     return d
 
 
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default feature layers for N layers: the streams entering ``[2, N//2, N-3]``
+    (clamped for N < 3). Every target family and the draft format share this rule."""
+    n = num_layers
+    return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
 
 
@@ -153,8 +160,7 @@ class ModelConfig:
         """Layers whose input residual stream feeds the EAGLE-3 draft (low, mid, high)."""
         if self.aux_layer_ids is not None:
             return tuple(self.aux_layer_ids)
-        n = self.num_hidden_layers
-        return (min(2, n - 1), n // 2, max(n - 3, 0))
+        return default_feature_layers(self.num_hidden_layers)
 
     @property
     def num_kv_groups(self) -> int:

@@ -42,9 +42,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from eagle_jax.config import RopeScaling, _check_unsupported_fields
+from eagle_jax.config import RopeScaling, _check_unsupported_fields, default_feature_layers
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, write_rows
+from eagle_jax.model import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, decoder_stack, head_logits, write_rows
 from eagle_jax.target import ArraySpec, TargetFamily, register_target
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -234,8 +234,7 @@ class DeepseekV3Config:
     def feature_layer_ids(self) -> tuple[int, ...]:
         if self.aux_layer_ids is not None:
             return tuple(self.aux_layer_ids)
-        n = self.num_hidden_layers
-        return (min(2, n - 1), n // 2, max(n - 3, 0))
+        return default_feature_layers(self.num_hidden_layers)
 
     @property
     def qk_head_dim(self) -> int:
@@ -721,29 +720,18 @@ class DeepseekV3Model(nnx.Module):
         """As ``LlamaModel.__call__`` (the target seam), over an ``MLACache``."""
         cfg = self.config
         cos, sin = rope_tables(positions, cfg)
-        h = self.embed(tokens)
-        ids = cfg.feature_layer_ids
-        feats = {}
-        lat, pe = [], []
-        for i, layer in enumerate(self.layers):
-            if return_features and i in ids:
-                feats[i] = h
-            with jax.named_scope(f"layer_{i}"):
-                h, a, b = layer(h, cos, sin, cache.latent[i], cache.rope_key[i], cache_slots, mask, tree)
-            lat.append(a)
-            pe.append(b)
-        if return_features and cfg.num_hidden_layers in ids:
-            feats[cfg.num_hidden_layers] = h
-        features = jnp.concatenate([feats[i] for i in ids], axis=-1) if return_features else None
-        return self.norm(h), features, MLACache(latent=lat, rope_key=pe)
+        # MLA attends under a dense mask: built once here, not once per layer.
+        dense = dense_mask(mask, tree, tokens.shape[1], cache.latent[0].shape[1])
+
+        def run(i, h):
+            h, lat, pe = self.layers[i](h, cos, sin, cache.latent[i], cache.rope_key[i], cache_slots, dense)
+            return h, (lat, pe)
+
+        h, features, c = decoder_stack(self.embed(tokens), cfg.num_hidden_layers, cfg.feature_layer_ids, return_features, run)
+        return self.norm(h), features, MLACache(latent=[a for a, _ in c], rope_key=[b for _, b in c])
 
     def logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
-        from eagle_jax.cpu_matmul import packed_matmul
-
-        head = self.lm_head[...]
-        if head.ndim == 3:
-            return packed_matmul(hidden, head)
-        return (hidden @ head).astype(jnp.float32)
+        return head_logits(hidden, self.lm_head[...], self.embed_tokens[...], self.config.tie_word_embeddings)
 
     def cache_spec(self, batch: int, max_len: int) -> MLACache:
         return MLACache.spec(self.config, batch, max_len, self.dtype)

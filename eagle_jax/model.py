@@ -519,33 +519,16 @@ class LlamaModel(nnx.Module):
         """
         cfg = self.config
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        h = self.embed(tokens)
-        feature_ids = cfg.feature_layer_ids
-        feats = {}
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            if return_features and i in feature_ids:
-                feats[i] = h
-            with jax.named_scope(f"layer_{i}"):
-                h, k, v = layer(h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask, tree)
-            new_k.append(k)
-            new_v.append(v)
-        if return_features and cfg.num_hidden_layers in feature_ids:
-            feats[cfg.num_hidden_layers] = h
-        features = jnp.concatenate([feats[i] for i in feature_ids], axis=-1) if return_features else None
-        return self.norm(h), features, KVCache(k=new_k, v=new_v)
+
+        def run(i, h):
+            h, k, v = self.layers[i](h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask, tree)
+            return h, (k, v)
+
+        h, features, kv = decoder_stack(self.embed(tokens), cfg.num_hidden_layers, cfg.feature_layer_ids, return_features, run)
+        return self.norm(h), features, KVCache(k=[k for k, _ in kv], v=[v for _, v in kv])
 
     def logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
-        head = self.lm_head[...]
-        if head.ndim == 3:  # packed for the CPU kernel (a step table's binding): any row count
-            return packed_matmul(hidden, head)
-        if self.config.tie_word_embeddings and math.prod(hidden.shape[:-1]) > 1:
-            # Several rows (a verify forward, a batch): contracting against the [V, H]
-            # embedding beats the pre-transposed [H, V] product on XLA:CPU (SmolLM2's
-            # 49152 x 576 head, 2-core Xeon: 14.1 vs 15.6 ms at 8 rows, 16.5 vs 22.9 at
-            # 16, 36 vs 40 at 64); one row stays a matrix-vector product over [H, V].
-            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...]).astype(jnp.float32)
-        return (hidden @ head).astype(jnp.float32)
+        return head_logits(hidden, self.lm_head[...], self.embed_tokens[...], self.config.tie_word_embeddings)
 
     def cache_spec(self, batch: int, max_len: int) -> KVCache:
         """The abstract KV cache (``ArraySpec`` leaves) for ``batch`` rows of ``max_len`` slots."""
@@ -554,6 +537,39 @@ class LlamaModel(nnx.Module):
     def axis_sizes(self) -> dict[str, int]:
         """What each sharded logical axis counts (``target.TargetModel``)."""
         return llama_axis_sizes(self.config)
+
+
+def decoder_stack(h, n_layers: int, feature_ids, return_features: bool, run_layer):
+    """Run layers ``0..n_layers-1`` (``run_layer(i, h) -> (h, layer cache)``) and collect
+    the EAGLE-3 features: the residual stream entering each of ``feature_ids`` (id N: the
+    last layer's output), concatenated in their order. Every target family's forward.
+
+    Returns (h, features ``[B, T, len(ids) * H]`` or None, the per-layer caches)."""
+    feats, caches = {}, []
+    for i in range(n_layers):
+        if return_features and i in feature_ids:
+            feats[i] = h
+        with jax.named_scope(f"layer_{i}"):
+            h, c = run_layer(i, h)
+        caches.append(c)
+    if return_features and n_layers in feature_ids:
+        feats[n_layers] = h
+    features = jnp.concatenate([feats[i] for i in feature_ids], axis=-1) if return_features else None
+    return h, features, caches
+
+
+def head_logits(hidden: Float[Array, "... H"], head, embed, tied: bool) -> Float[Array, "... V"]:
+    """Output logits (float32) from the ``[H, V]`` head, packed or not; ``embed`` is the
+    ``[V, H]`` embedding a tied head may contract against instead."""
+    if head.ndim == 3:  # packed for the CPU kernel (a step table's binding): any row count
+        return packed_matmul(hidden, head)
+    if tied and math.prod(hidden.shape[:-1]) > 1:
+        # Several rows (a verify forward, a batch): contracting against the [V, H]
+        # embedding beats the pre-transposed [H, V] product on XLA:CPU (SmolLM2's
+        # 49152 x 576 head, 2-core Xeon: 14.1 vs 15.6 ms at 8 rows, 16.5 vs 22.9 at
+        # 16, 36 vs 40 at 64); one row stays a matrix-vector product over [H, V].
+        return jnp.einsum("...h,vh->...v", hidden, embed).astype(jnp.float32)
+    return (hidden @ head).astype(jnp.float32)
 
 
 def llama_axis_sizes(cfg) -> dict[str, int]:

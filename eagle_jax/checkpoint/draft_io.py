@@ -51,7 +51,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from eagle_jax.checkpoint.hf import NameMap, read_tensors, resolve_dtype, safetensors_files
-from eagle_jax.config import ModelConfig, read_config_json
+from eagle_jax.config import ModelConfig, default_feature_layers, read_config_json
 from eagle_jax.draft import DraftConfig, Eagle3Draft, check_compatible
 from eagle_jax.errors import CheckpointError, ConfigError
 from eagle_jax.model import LlamaModel
@@ -148,8 +148,7 @@ def to_file_layer_ids(cfg: DraftConfig) -> list[int] | None:
 
 def _default_ids(num_layers: int) -> tuple[int, ...]:
     """``ModelConfig.feature_layer_ids``'s default rule for N layers (N >= 3: ``[2, N//2, N-3]``)."""
-    n = num_layers
-    return (min(2, n - 1), n // 2, max(n - 3, 0))
+    return default_feature_layers(num_layers)
 
 
 def describe_feature_layers(entering_ids: list[int] | tuple[int, ...], num_layers: int) -> str:
