@@ -66,7 +66,7 @@ def test_llama_model_is_a_target_with_an_abstract_cache(target):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"architectures": ["DeepseekV3ForCausalLM"]}, r"config.json: architecture 'DeepseekV3ForCausalLM' is not supported; supported: .*LlamaForCausalLM"),
+        ({"architectures": ["MixtralForCausalLM"]}, r"config.json: architecture 'MixtralForCausalLM' is not supported; supported: .*DeepseekV3ForCausalLM.*LlamaForCausalLM"),
         ({"hidden_act": "gelu"}, r"config.json: hidden_act='gelu' is not supported; supported: silu"),
         ({"sliding_window": 64}, r"config.json: sliding_window=64 .* is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config.json: rope_scaling.rope_type='yarn' is not supported; supported: default, linear, llama3"),
