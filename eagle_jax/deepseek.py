@@ -44,6 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.config import RopeScaling, _check_unsupported_fields, default_feature_layers
 from eagle_jax.errors import ConfigError
+from eagle_jax.quant import Int4Weight, QuantConfig
 from eagle_jax.model import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, decoder_stack, head_logits, write_rows
 from eagle_jax.target import ArraySpec, TargetFamily, register_target
 
@@ -188,6 +189,10 @@ class DeepseekV3Config:
     weight_prefix: str = ""  # before every tensor name (``KIMI_WEIGHT_PREFIX`` for Kimi-K2.5)
     # The Llama-family draft helpers read these; a DeepSeek target has no such RoPE.
     rope_scaling: RopeScaling = RopeScaling()
+    # INT4 routed experts (compressed-tensors pack-quantized): the scheme, and the MoE
+    # layers whose experts it packs (from quantization_config's targets and ignore).
+    quant: QuantConfig | None = None
+    int4_moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
@@ -223,6 +228,11 @@ class DeepseekV3Config:
             )
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"config.json: rms_norm_eps={self.rms_norm_eps} must be > 0")
+        for i in self.int4_moe_layers:
+            if not self.is_moe_layer(i) or i >= self.num_hidden_layers or self.quant is None:
+                raise ConfigError(f"int4_moe_layers={self.int4_moe_layers} has {i}, not a MoE layer with a quant scheme")
+            self.quant.scale_columns(self.hidden_size, f"layer {i}'s experts (gate_proj, up_proj)")
+            self.quant.scale_columns(self.moe_intermediate_size, f"layer {i}'s experts (down_proj)")
         for i in self.feature_layer_ids:
             if not 0 <= i <= self.num_hidden_layers:
                 raise ConfigError(
@@ -270,7 +280,9 @@ class DeepseekV3Config:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DeepseekV3Config":
         """From a ``config.json`` dict: a ``DeepseekV3ForCausalLM`` directory, or a Kimi-K2/K2.5
-        one whose ``text_config`` is (its fields are read from there)."""
+        one whose ``text_config`` is (its fields are read from there). A
+        ``quantization_config`` (INT4 routed experts) is read from either level."""
+        raw = d
         prefix = ""
         if isinstance(d.get("text_config"), dict):
             inner = d["text_config"]
@@ -312,7 +324,7 @@ class DeepseekV3Config:
         rope, theta = _rope_from_hf(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        cfg = cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
             intermediate_size=int(d["intermediate_size"]),
@@ -344,6 +356,57 @@ class DeepseekV3Config:
             architecture=archs[0],
             weight_prefix=prefix,
         )
+        quant = QuantConfig.from_hf_dict(raw)
+        return cfg if quant is None else cfg.replace(quant=quant, int4_moe_layers=_int4_moe_layers(cfg, quant))
+
+
+def linear_modules(cfg: DeepseekV3Config) -> dict[str, int | None]:
+    """Every linear module's checkpoint name (without ``.weight``) -> the MoE layer whose
+    routed experts it belongs to, or None for the rest (attention, shared experts, dense
+    MLPs, the head). The router is not a linear module (transformers' own class)."""
+    pre = cfg.weight_prefix
+    out: dict[str, int | None] = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"{pre}model.layers.{i}."
+        q = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+        for proj in q + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]:
+            out[f"{p}self_attn.{proj}"] = None
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if cfg.is_moe_layer(i):
+                for e in range(cfg.n_routed_experts):
+                    out[f"{p}mlp.experts.{e}.{proj}"] = i
+                if cfg.n_shared_experts:
+                    out[f"{p}mlp.shared_experts.{proj}"] = None
+            else:
+                out[f"{p}mlp.{proj}"] = None
+    out[f"{pre}lm_head"] = None
+    return out
+
+
+def _int4_moe_layers(cfg: DeepseekV3Config, quant: QuantConfig) -> tuple[int, ...]:
+    """The MoE layers whose experts ``quant`` packs: all of a layer's experts or none, and
+    nothing but routed experts (Kimi-K2.5's layout; the rest stays high precision)."""
+    packed: dict[int, set[bool]] = {}
+    for name, layer in linear_modules(cfg).items():
+        q = quant.quantizes(name)
+        if layer is None:
+            if q:
+                raise ConfigError(
+                    f"config.json: quantization_config packs {name}; eagle-jax reads INT4 for routed experts only "
+                    "(attention, shared experts, dense MLPs and the head must be in its ignore list)"
+                )
+            continue
+        packed.setdefault(layer, set()).add(q)
+    mixed = [i for i, v in packed.items() if len(v) > 1]
+    if mixed:
+        raise ConfigError(
+            f"config.json: quantization_config packs some but not all experts of layer(s) {mixed}; "
+            "supported: a MoE layer's experts all packed or all in high precision"
+        )
+    layers = tuple(sorted(i for i, v in packed.items() if True in v))
+    if not layers:
+        raise ConfigError("config.json: quantization_config packs no routed expert (check its targets and ignore)")
+    return layers
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[YarnRope | None, float]:
@@ -605,15 +668,31 @@ def moe_impl_for(n_tokens: int, k: int, n_experts: int) -> str:
     return "gather" if n_tokens * k < n_experts else "ragged"
 
 
+ExpertMatrices = Float[Array, "E In Out"] | Int4Weight
+
+
+def _take(w: ExpertMatrices, idx: Int[Array, "J"]) -> Float[Array, "J In Out"]:
+    return w.take(idx) if isinstance(w, Int4Weight) else w[idx]
+
+
+def _full(w: ExpertMatrices) -> Float[Array, "E In Out"]:
+    return w.full() if isinstance(w, Int4Weight) else w
+
+
 def experts_forward(
     x: Float[Array, "N H"], w: Float[Array, "N K"], idx: Int[Array, "N K"],
-    gate: Float[Array, "E H I"], up: Float[Array, "E H I"], down: Float[Array, "E I H"], *, impl: str,
+    gate: ExpertMatrices, up: ExpertMatrices, down: ExpertMatrices, *, impl: str,
 ) -> Float[Array, "N H"]:
-    """Σ_k w[n, k] * expert_{idx[n, k]}(x[n]) exactly, with SwiGLU experts."""
+    """Σ_k w[n, k] * expert_{idx[n, k]}(x[n]) exactly, with SwiGLU experts.
+
+    ``gate``/``up`` are ``[E, H, I]`` and ``down`` ``[E, I, H]`` float stacks, or the same
+    as packed INT4 (``Int4Weight``), dequantized here inside the compiled step: ``gather``
+    unpacks only the experts it reads."""
     n, h = x.shape
     k = idx.shape[1]
-    e = gate.shape[0]
+    e = (gate.packed if isinstance(gate, Int4Weight) else gate).shape[0]
     if impl == "dense":
+        gate, up, down = _full(gate), _full(up), _full(down)
         combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(w)  # [N, E]
         a = jax.nn.silu(jnp.einsum("nh,ehi->nei", x, gate)) * jnp.einsum("nh,ehi->nei", x, up)
         y = jnp.einsum("nei,eih->neh", a, down)
@@ -621,10 +700,11 @@ def experts_forward(
     if impl == "gather":
         flat = idx.reshape(-1)
         xs = jnp.repeat(x, k, axis=0)  # [N*K, H], pair j = (token j // K, choice j % K)
-        a = jax.nn.silu(jnp.einsum("jh,jhi->ji", xs, gate[flat])) * jnp.einsum("jh,jhi->ji", xs, up[flat])
-        y = jnp.einsum("ji,jih->jh", a, down[flat]).reshape(n, k, h)
+        a = jax.nn.silu(jnp.einsum("jh,jhi->ji", xs, _take(gate, flat))) * jnp.einsum("jh,jhi->ji", xs, _take(up, flat))
+        y = jnp.einsum("ji,jih->jh", a, _take(down, flat)).reshape(n, k, h)
         return jnp.einsum("nkh,nk->nh", y, w.astype(y.dtype))
     if impl == "ragged":
+        gate, up, down = _full(gate), _full(up), _full(down)
         flat = idx.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         xs = jnp.repeat(x, k, axis=0)[order]
@@ -637,9 +717,13 @@ def experts_forward(
 
 
 class MoE(nnx.Module):
-    """Routed experts plus the shared experts (a SwiGLU MLP ``n_shared_experts`` wide)."""
+    """Routed experts plus the shared experts (a SwiGLU MLP ``n_shared_experts`` wide).
 
-    def __init__(self, cfg: DeepseekV3Config, *, dtype, rngs: nnx.Rngs, impl: str = "auto"):
+    With ``int4`` the routed experts are held as compressed-tensors packs in their
+    checkpoint layout (``experts_{gate,up,down}_packed`` int32 ``[E, out, in/8]`` and
+    ``_scale`` ``[E, out, in/group]``) and dequantized inside the product."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, dtype, rngs: nnx.Rngs, impl: str = "auto", int4: bool = False):
         if impl not in MOE_IMPLS:
             raise ConfigError(f"MoE impl {impl!r}; valid: {', '.join(MOE_IMPLS)}")
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -647,9 +731,18 @@ class MoE(nnx.Module):
         # The router stays float32 whatever the compute dtype (transformers keeps it so).
         self.gate_weight = nnx.Param(init(rngs.params(), (e, h), jnp.float32), logical_axes=("experts", "embed"))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("experts",))
-        self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), dtype), logical_axes=("experts", "embed", "mlp"))
-        self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), dtype), logical_axes=("experts", "embed", "mlp"))
-        self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), dtype), logical_axes=("experts", "mlp", "embed"))
+        self.int4 = int4
+        for name, d_in, d_out, axes in (("gate", h, i, ("embed", "mlp")), ("up", h, i, ("embed", "mlp")),
+                                        ("down", i, h, ("mlp", "embed"))):
+            if int4:
+                shapes = cfg.quant.packed_shapes(d_out, d_in, f"experts' {name}_proj")
+                setattr(self, f"experts_{name}_packed", nnx.Param(
+                    jnp.zeros((e,) + shapes["weight_packed"], jnp.int32), logical_axes=("experts", axes[1], None)))
+                setattr(self, f"experts_{name}_scale", nnx.Param(
+                    jnp.ones((e,) + shapes["weight_scale"], dtype), logical_axes=("experts", axes[1], None)))
+            else:
+                setattr(self, f"experts_{name}", nnx.Param(
+                    init(rngs.params(), (e, d_in, d_out), dtype), logical_axes=("experts",) + axes))
         self.shared = (
             MLP(h, i * cfg.n_shared_experts, dtype=dtype, rngs=rngs) if cfg.n_shared_experts else None
         )
@@ -662,11 +755,16 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, shape[-1])
         w, idx = route(flat, self.gate_weight[...], self.e_score_correction_bias[...], cfg)
         impl = moe_impl_for(flat.shape[0], cfg.num_experts_per_tok, cfg.n_routed_experts) if self.impl == "auto" else self.impl
-        y = experts_forward(flat, w, idx, self.experts_gate[...], self.experts_up[...], self.experts_down[...], impl=impl)
+        y = experts_forward(flat, w, idx, *(self._experts(n) for n in ("gate", "up", "down")), impl=impl)
         y = y.reshape(shape)
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+    def _experts(self, name: str) -> ExpertMatrices:
+        if self.int4:
+            return Int4Weight(getattr(self, f"experts_{name}_packed")[...], getattr(self, f"experts_{name}_scale")[...])
+        return getattr(self, f"experts_{name}")[...]
 
 
 # ----------------------------------------------------------------------------- model
@@ -678,7 +776,7 @@ class DeepseekDecoderLayer(nnx.Module):
         self.self_attn = MLAttention(cfg.mla, dtype=dtype, rngs=rngs, form=mla_form)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = (
-            MoE(cfg, dtype=dtype, rngs=rngs, impl=moe_impl) if cfg.is_moe_layer(i)
+            MoE(cfg, dtype=dtype, rngs=rngs, impl=moe_impl, int4=i in cfg.int4_moe_layers) if cfg.is_moe_layer(i)
             else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         )
 
@@ -767,8 +865,13 @@ def param_name_map(cfg: DeepseekV3Config) -> dict:
         if cfg.is_moe_layer(i):
             names[m + ("gate_weight",)] = (mp + "gate.weight", False)
             names[m + ("e_score_correction_bias",)] = (mp + "gate.e_score_correction_bias", False)
-            for ours, theirs in (("experts_gate", "gate_proj"), ("experts_up", "up_proj"), ("experts_down", "down_proj")):
-                names[m + (ours,)] = (tuple(f"{mp}experts.{e}.{theirs}.weight" for e in range(cfg.n_routed_experts)), True)
+            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                per_expert = [f"{mp}experts.{e}.{theirs}" for e in range(cfg.n_routed_experts)]
+                if i in cfg.int4_moe_layers:  # packed: kept in the checkpoint's [out, ...] layout
+                    for part in ("packed", "scale"):
+                        names[m + (f"experts_{ours}_{part}",)] = (tuple(f"{n}.weight_{part}" for n in per_expert), False)
+                else:
+                    names[m + (f"experts_{ours}",)] = (tuple(f"{n}.weight" for n in per_expert), True)
             if cfg.n_shared_experts:
                 for proj in ("gate_proj", "up_proj", "down_proj"):
                     names[m + ("shared", proj, "kernel")] = (mp + f"shared_experts.{proj}.weight", True)

@@ -382,9 +382,20 @@ def check_model(path: Path) -> tuple[dict[str, Any], Any]:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "feature_layer_ids": list(cfg.feature_layer_ids),
     }
+    quant = getattr(cfg, "quant", None)
+    if quant is not None:
+        check["info"]["config"]["quantization"] = {
+            "format": "compressed-tensors pack-quantized INT4", "group_size": quant.group_size,
+            "int4_moe_layers": list(cfg.int4_moe_layers),
+        }
     files = _tensor_files(check, path)
     if files is not None:
-        check_tensors(check, files, expected_shapes(lambda: family.module(cfg), family.param_names(cfg)))
+        from eagle_jax.checkpoint.hf import packed_shape_records
+
+        expected = expected_shapes(lambda: family.module(cfg), family.param_names(cfg))
+        # A packed weight's shape record is a [2] tensor beside it (its values are checked at load).
+        expected.update({n: (2,) for n in packed_shape_records(expected)})
+        check_tensors(check, files, expected)
     check_tokenizer(check, path, cfg.vocab_size)
     return check, cfg
 

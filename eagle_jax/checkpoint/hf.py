@@ -101,6 +101,25 @@ def read_tensors(files: dict[str, Path], wanted: dict[str, tuple[int, ...]]) -> 
     return out
 
 
+def packed_shape_records(wanted: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """For each compressed-tensors ``*.weight_packed`` tensor, its ``*.weight_shape`` record
+    and the ``(out, in)`` it must hold (eight 4-bit values per int32 word)."""
+    suffix = ".weight_packed"
+    return {
+        n[: -len(suffix)] + ".weight_shape": (shape[0], shape[1] * 8)
+        for n, shape in wanted.items() if n.endswith(suffix)
+    }
+
+
+def check_packed_shapes(tensors: dict[str, np.ndarray], records: dict[str, tuple[int, int]]) -> None:
+    """A packed weight whose recorded original shape differs from the model's is a wrong
+    checkpoint (a different width, or packing this reader does not expect): refused."""
+    for name, expected in records.items():
+        got = tuple(int(v) for v in np.asarray(tensors.pop(name)).reshape(-1))
+        if got != expected:
+            raise CheckpointError(f"tensor {name} records shape {got}; the model expects {expected}")
+
+
 def load_model(
     path: str | Path, *, dtype: str | jnp.dtype | None = None, config: ModelConfig | None = None
 ) -> TargetModel:
@@ -128,10 +147,16 @@ def load_model(
     if unmapped:  # a programming error, not a user one: the map must cover the model
         raise RuntimeError(f"no checkpoint name for model parameter(s) {unmapped}")
     wanted = checkpoint_shapes(names, {p: flat[p].shape for p in names})
-    tensors = read_tensors(safetensors_files(path), wanted)
+    shape_records = packed_shape_records(wanted)
+    tensors = read_tensors(safetensors_files(path), {**wanted, **{n: (2,) for n in shape_records}})
+    check_packed_shapes(tensors, shape_records)
     for p, (name, transpose) in names.items():
         parts = [tensors[n].T if transpose else tensors[n] for n in (name if isinstance(name, tuple) else (name,))]
         arr = np.stack(parts) if isinstance(name, tuple) else parts[0]
+        if jnp.issubdtype(flat[p].dtype, jnp.integer) and arr.dtype != flat[p].dtype:
+            # Packed integer weights are bits, not values: a cast would corrupt them.
+            first = name[0] if isinstance(name, tuple) else name
+            raise CheckpointError(f"tensor {first} has dtype {arr.dtype}; expected {jnp.dtype(flat[p].dtype).name}")
         # Each parameter keeps the dtype its module gave it: the compute dtype, or float32
         # where the module asks for it (a MoE router), or an integer type (packed weights).
         flat[p].set_value(jnp.asarray(np.ascontiguousarray(arr), dtype=flat[p].dtype))
