@@ -14,11 +14,14 @@ logits with it); how it is computed differs where inference wants it to:
   softmax, so attention reads the latents directly (cheap when the new tokens are few:
   decode and tree verification). Both are exact rewrites of the same product.
 - **Exact mixture of experts** (``MoE``): every token goes to its top-k experts, with no
-  capacity and no dropping. Three formulations, picked per compiled shape: ``gather``
-  (each (token, choice) reads its expert's matrices: what decode touches is what it
-  reads), ``dense`` (every expert on every token, weighted by the routing: for tiny
-  expert counts) and ``ragged`` (assignments sorted by expert and run as one grouped
-  product, ``jax.lax.ragged_dot``).
+  capacity and no dropping. Four formulations: ``gather`` (one (token, choice) pair per
+  scan step, reading its expert's matrices: what decode touches is what it reads),
+  ``blocked`` (pairs sorted by expert into blocks of 16 rows, one expert read per
+  block), ``ragged`` (the sorted pairs as one grouped product, ``jax.lax.ragged_dot``)
+  and ``dense`` (every expert on every token, weighted by the routing: a reference).
+  ``moe_impl_for`` picks per compiled shape, by the measurement in
+  results/bench_moe.json on CPU. Routed experts may be INT4 packs
+  (``eagle_jax.quant``), dequantized inside the product.
 - RoPE on the rope part only; DeepSeek's checkpoints lay it out in interleaved pairs
   (``rope_interleave``), which is rotated in place of a de-interleaving copy, as
   transformers does: the output layout is de-interleaved for queries and keys alike, so
@@ -56,7 +59,8 @@ KIMI_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)
 KIMI_WEIGHT_PREFIX = "language_model."
 SUPPORTED_TOPK_METHODS = ("noaux_tc",)
 SUPPORTED_SCORING = ("sigmoid",)
-MOE_IMPLS = ("auto", "gather", "dense", "ragged")
+MOE_IMPLS = ("auto", "gather", "blocked", "dense", "ragged")
+MOE_BLOCK = 16  # rows per block of the ``blocked`` formulation
 MLA_FORMS = ("auto", "naive", "absorbed")
 
 
@@ -661,11 +665,17 @@ def route(
     return w * cfg.routed_scaling_factor, idx
 
 
-def moe_impl_for(n_tokens: int, k: int, n_experts: int) -> str:
-    """``gather`` while the (token, choice) pairs are fewer than the experts (each pair
-    reads one expert's matrices: decode reads only the experts it uses), else ``ragged``
-    (each expert's matrices read once, its tokens as one group)."""
-    return "gather" if n_tokens * k < n_experts else "ragged"
+def moe_impl_for(n_tokens: int, k: int, n_experts: int, backend: str | None = None) -> str:
+    """``gather`` while the (token, choice) pairs are no more than the experts (each pair
+    reads one expert's matrices: decode reads only the experts it uses); past that,
+    experts repeat across pairs and a grouped form reads each used expert once per
+    group: ``blocked`` on CPU (measured fastest there, scripts/bench_moe.py and
+    results/bench_moe.json: XLA CPU runs ``ragged_dot`` and the dense form 3-10x
+    slower), ``ragged`` (``jax.lax.ragged_dot``, a grouped GEMM) on accelerators,
+    unmeasured here."""
+    if n_tokens * k <= n_experts:
+        return "gather"
+    return "blocked" if (backend or jax.default_backend()) == "cpu" else "ragged"
 
 
 ExpertMatrices = Float[Array, "E In Out"] | Int4Weight
@@ -700,9 +710,19 @@ def experts_forward(
     if impl == "gather":
         flat = idx.reshape(-1)
         xs = jnp.repeat(x, k, axis=0)  # [N*K, H], pair j = (token j // K, choice j % K)
-        a = jax.nn.silu(jnp.einsum("jh,jhi->ji", xs, _take(gate, flat))) * jnp.einsum("jh,jhi->ji", xs, _take(up, flat))
-        y = jnp.einsum("ji,jih->jh", a, _take(down, flat)).reshape(n, k, h)
-        return jnp.einsum("nkh,nk->nh", y, w.astype(y.dtype))
+
+        # One (token, choice) pair per iteration, reading its expert's three matrices in
+        # place: a gathered [N*K, H, I] copy and a batched matrix-vector product cost XLA
+        # CPU 4x more at 4+ tokens (scripts/bench_moe.py).
+        def pair(_, j):
+            e_j = flat[j][None]
+            a = jax.nn.silu(xs[j] @ _take(gate, e_j)[0]) * (xs[j] @ _take(up, e_j)[0])
+            return None, a @ _take(down, e_j)[0]
+
+        _, y = jax.lax.scan(pair, None, jnp.arange(n * k))
+        return jnp.einsum("nkh,nk->nh", y.reshape(n, k, h), w.astype(y.dtype))
+    if impl == "blocked":
+        return _blocked(x, w, idx, gate, up, down, e)
     if impl == "ragged":
         gate, up, down = _full(gate), _full(up), _full(down)
         flat = idx.reshape(-1)
@@ -714,6 +734,44 @@ def experts_forward(
         y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, h)
         return jnp.einsum("nkh,nk->nh", y, w.astype(y.dtype))
     raise ValueError(f"MoE impl {impl!r}; valid: {', '.join(MOE_IMPLS[1:])}")
+
+
+def _blocked(x, w, idx, gate, up, down, e: int, block: int = MOE_BLOCK):
+    """Grouped expert products without ``ragged_dot`` (slow on XLA CPU): the (token,
+    choice) pairs sorted by expert, each expert's run padded to whole blocks of
+    ``block`` rows, then one block per scan step, reading its expert's matrices once
+    per block instead of once per pair. The block count is the static bound; steps past
+    the last used block are skipped. Exact: padding rows are zeros and are
+    never read back."""
+    n, h = x.shape
+    k = idx.shape[1]
+    pairs = n * k
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted pair r is pair order[r]
+    sizes = jnp.bincount(flat, length=e)
+    padded = (sizes + block - 1) // block * block
+    start = jnp.cumsum(sizes) - sizes  # first sorted row of each expert
+    pstart = jnp.cumsum(padded) - padded  # first padded row of each expert
+    sorted_e = flat[order]
+    dest = pstart[sorted_e] + jnp.arange(pairs) - start[sorted_e]  # padded row of sorted pair r
+    # Σ_e ceil(size_e / block) over the (at most min(E, pairs)) experts in use.
+    n_blocks = (pairs + min(e, pairs) * (block - 1)) // block
+    xs = jnp.zeros((n_blocks * block, h), x.dtype).at[dest].set(jnp.repeat(x, k, axis=0)[order])
+    used = jnp.sum(padded) // block
+    # The expert of block b: the last expert whose padded run starts at or before it.
+    block_e = jnp.clip(jnp.searchsorted(pstart + padded, jnp.arange(n_blocks) * block, side="right"), 0, e - 1)
+
+    def step(_, b):
+        def run():
+            rows = jax.lax.dynamic_slice_in_dim(xs, b * block, block)
+            eb = block_e[b][None]
+            a = jax.nn.silu(rows @ _take(gate, eb)[0]) * (rows @ _take(up, eb)[0])
+            return a @ _take(down, eb)[0]
+        return None, jax.lax.cond(b < used, run, lambda: jnp.zeros((block, h), x.dtype))
+
+    _, y = jax.lax.scan(step, None, jnp.arange(n_blocks))
+    y_pairs = jnp.zeros((pairs, h), y.dtype).at[order].set(y.reshape(-1, h)[dest])
+    return jnp.einsum("nkh,nk->nh", y_pairs.reshape(n, k, h), w.astype(y.dtype))
 
 
 class MoE(nnx.Module):

@@ -116,20 +116,21 @@ def test_router_matches_transformers(ds_checkpoint):
 
 
 def test_moe_formulations_agree_with_the_loop():
-    """gather, dense and ragged against a per-token loop over the chosen experts, with
-    repeated experts across tokens and token counts on both sides of the auto switch."""
+    """Every formulation against a per-token loop over the chosen experts, with repeated
+    experts across tokens and token counts on both sides of the auto switches (blocked:
+    runs shorter and longer than a block, experts left unused)."""
     rng = np.random.default_rng(0)
     e, h, i, k = 6, 8, 5, 2
     gate, up = rng.normal(size=(e, h, i)).astype(np.float32), rng.normal(size=(e, h, i)).astype(np.float32)
     down = rng.normal(size=(e, i, h)).astype(np.float32)
-    for n in (1, 2, 7):
+    for n in (1, 2, 7, 40):
         x = rng.normal(size=(n, h)).astype(np.float32)
         idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
         w = rng.random((n, k)).astype(np.float32)
         silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
         want = np.stack([sum(w[t, j] * ((silu(x[t] @ gate[idx[t, j]]) * (x[t] @ up[idx[t, j]])) @ down[idx[t, j]])
                              for j in range(k)) for t in range(n)])
-        for impl in ("gather", "dense", "ragged"):
+        for impl in ("gather", "blocked", "dense", "ragged"):
             got = experts_forward(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), jnp.asarray(gate), jnp.asarray(up),
                                   jnp.asarray(down), impl=impl)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=impl)

@@ -152,7 +152,7 @@ def test_packed_experts_equal_the_library_decompression(int4):
     assert model.layers[0].mlp.gate_proj.kernel[...].dtype == jnp.float32  # the dense layer is not packed
 
 
-@pytest.mark.parametrize("moe_impl", ["gather", "dense", "ragged"])
+@pytest.mark.parametrize("moe_impl", ["gather", "blocked", "dense", "ragged"])
 def test_int4_logits_match_the_dequantized_model(int4, float_dir, moe_impl):
     """Prefill and token-by-token decode, every MoE formulation, against transformers on
     the decompressed weights, at the float32 parity tolerance."""
