@@ -100,7 +100,9 @@ def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh", default="data=1,model=1", metavar="data=D,model=M",
         help="device mesh: D engine batch shards times M tensor-parallel shards of the target (heads, MLP, "
-             "vocabulary; the draft is replicated); 'auto' puts every local device on model (default data=1,model=1)")
+             "vocabulary; the draft is replicated); a mixture-of-experts target also takes expert=E (its routed "
+             "experts split E ways: data=D,expert=E,model=M); 'auto' puts every local device on model "
+             "(default data=1,model=1)")
 
 
 def _load_records(args):

@@ -774,6 +774,33 @@ def _blocked(x, w, idx, gate, up, down, e: int, block: int = MOE_BLOCK):
     return jnp.einsum("nkh,nk->nh", y_pairs.reshape(n, k, h), w.astype(y.dtype))
 
 
+def _expert_parallel(x, w, idx, mats, shards: int, impl: str) -> Float[Array, "N H"]:
+    """Experts split over the mesh's ``expert`` axis (``E / shards`` per shard, the
+    parameters' "experts" rule): every shard sees every token (activations are
+    replicated over ``expert``), runs the (token, choice) pairs routed to its own
+    experts, with the others' weights zeroed, and one all-reduce over ``expert`` sums
+    the shards. Exact: each pair is computed on exactly one shard. What it saves is
+    memory (each device holds its experts only) and expert reads; the formulation
+    inside a shard is chosen for its local expert count."""
+    e = (mats[0].packed if isinstance(mats[0], Int4Weight) else mats[0]).shape[0]
+    local_e = e // shards
+    k = idx.shape[1]
+
+    def local(x, w, idx, *mats):
+        first = jax.lax.axis_index("expert") * local_e
+        mine = (idx >= first) & (idx < first + local_e)
+        li = jnp.where(mine, idx - first, 0)
+        lw = jnp.where(mine, w, 0.0)
+        chosen = impl if impl != "auto" else moe_impl_for(x.shape[0], k, local_e)
+        return jax.lax.psum(experts_forward(x, lw, li, *mats, impl=chosen), "expert")
+
+    spec = jax.sharding.PartitionSpec
+    mat_specs = tuple(Int4Weight(spec("expert"), spec("expert")) if isinstance(m, Int4Weight) else spec("expert")
+                      for m in mats)
+    return jax.shard_map(local, in_specs=(spec(), spec(), spec()) + mat_specs, out_specs=spec(),
+                         axis_names={"expert"}, check_vma=False)(x, w, idx, *mats)
+
+
 class MoE(nnx.Module):
     """Routed experts plus the shared experts (a SwiGLU MLP ``n_shared_experts`` wide).
 
@@ -786,9 +813,11 @@ class MoE(nnx.Module):
             raise ConfigError(f"MoE impl {impl!r}; valid: {', '.join(MOE_IMPLS)}")
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = jax.nn.initializers.normal(0.02)
-        # The router stays float32 whatever the compute dtype (transformers keeps it so).
-        self.gate_weight = nnx.Param(init(rngs.params(), (e, h), jnp.float32), logical_axes=("experts", "embed"))
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("experts",))
+        # The router stays float32 whatever the compute dtype (transformers keeps it so),
+        # and replicated: every shard routes every token (E x H floats; split over the
+        # expert axis its top-k would need a collective per layer).
+        self.gate_weight = nnx.Param(init(rngs.params(), (e, h), jnp.float32), logical_axes=(None, "embed"))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
         self.int4 = int4
         for name, d_in, d_out, axes in (("gate", h, i, ("embed", "mlp")), ("up", h, i, ("embed", "mlp")),
                                         ("down", i, h, ("mlp", "embed"))):
@@ -812,12 +841,20 @@ class MoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = route(flat, self.gate_weight[...], self.e_score_correction_bias[...], cfg)
-        impl = moe_impl_for(flat.shape[0], cfg.num_experts_per_tok, cfg.n_routed_experts) if self.impl == "auto" else self.impl
-        y = experts_forward(flat, w, idx, *(self._experts(n) for n in ("gate", "up", "down")), impl=impl)
+        mats = tuple(self._experts(n) for n in ("gate", "up", "down"))
+        mesh = jax.sharding.get_abstract_mesh()
+        shards = mesh.shape.get("expert", 1) if "expert" in mesh.axis_names else 1
+        if shards > 1:
+            y = _expert_parallel(flat, w, idx, mats, shards, self.impl)
+        else:
+            y = experts_forward(flat, w, idx, *mats, impl=self._impl(flat.shape[0], cfg.n_routed_experts))
         y = y.reshape(shape)
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+    def _impl(self, n_tokens: int, n_experts: int) -> str:
+        return moe_impl_for(n_tokens, self.cfg.num_experts_per_tok, n_experts) if self.impl == "auto" else self.impl
 
     def _experts(self, name: str) -> ExpertMatrices:
         if self.int4:

@@ -143,7 +143,7 @@ class EngineConfig:
         greedy steps only (half the graphs) and refuses requests with temperature > 0.
       cache_align: round the target cache up to a multiple of this many slots (default:
         64 on GPUs, the tree-attention kernel's block, so the kernel applies; 1 on CPU).
-      mesh: the device mesh, ``(data, model)`` sizes, ``"data=D,model=M"`` or ``"auto"``
+      mesh: the device mesh, ``(data, model)`` or ``(data, expert, model)`` sizes, ``"data=D,model=M"`` (optionally ``expert=E``) or ``"auto"``
         (every local device on ``model``); held as ``(D, M)`` or ``"auto"``. ``model``
         splits the target's heads, MLP width and vocabulary (tensor parallelism; KV heads
         that do not divide it are replicated), ``data`` the batch rows of one engine: a
@@ -171,7 +171,7 @@ class EngineConfig:
     prefill_token_budget: int = 512
     sampled_steps: bool = True
     cache_align: int | None = None
-    mesh: tuple[int, int] | str = (1, 1)
+    mesh: tuple[int, int] | tuple[int, int, int] | str = (1, 1)
 
     def __post_init__(self):
         def positive_int(name):
@@ -991,6 +991,10 @@ def _mesh_note(table: StepTable) -> str:
         note += (f" (KV heads: {kv}, replicated over model={mesh.shape['model']})" if table.rules["kv_heads"] is None
                  else f" (KV heads: {kv} split over model)")
         note += "; draft replicated over model" if table.draft is not None else ""
+    shards = mesh.shape.get("expert", 1)
+    if shards > 1:
+        e = table.target.axis_sizes()["experts"]
+        note += f" (routed experts: {e} split over expert={shards} ({e // shards} per device))"
     d = mesh.shape["data"]
     if d > 1:
         odd = [b for b in table.batch_buckets if b % d]

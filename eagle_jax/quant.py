@@ -23,9 +23,11 @@ quantization, activation-ordered groups.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -188,10 +190,12 @@ def dequantize(packed: Int[Array, "... O P"], scale: Float[Array, "... O G"], dt
     return w if dtype is None else w.astype(dtype)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Int4Weight:
     """A stack of packed ``[out, in]`` weights (one per expert), read as ``[in, out]``
-    float matrices: the layout the float expert parameters have."""
+    float matrices: the layout the float expert parameters have. A pytree (shard_map
+    splits both arrays over the expert axis)."""
 
     packed: Int[Array, "E O P"]
     scale: Float[Array, "E O G"]

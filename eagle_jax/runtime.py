@@ -379,7 +379,10 @@ class StepTable:
 
     def _thunk(self, fn, in_sh, out_sh, donate, args):
         def compile_():
-            return self._jit(fn, in_sh, out_sh, donate).lower(*args).compile()
+            # Traced under the mesh: a module that runs part of itself under shard_map
+            # (expert-parallel MoE) reads the axes from jax.sharding.get_abstract_mesh().
+            with jax.set_mesh(self.mesh):
+                return self._jit(fn, in_sh, out_sh, donate).lower(*args).compile()
         return compile_
 
     # -- build

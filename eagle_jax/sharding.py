@@ -1,7 +1,8 @@
 """The device mesh and the sharding rules a model can use on it.
 
-The mesh has two axes, ``data`` (batch rows) and ``model`` (tensor parallelism inside
-each matrix product). Logical axis names on parameters and caches (``target.ArraySpec``
+The mesh has three axes: ``data`` (batch rows), ``expert`` (expert parallelism: a
+mixture-of-experts target's routed experts split into groups, one per shard; size 1
+unless asked for) and ``model`` (tensor parallelism inside each matrix product). Logical axis names on parameters and caches (``target.ArraySpec``
 axes, the ``logical_axes`` metadata of every NNX parameter) map to mesh axes through a
 rules dict (``target.DEFAULT_AXIS_RULES``); this module builds the mesh from
 ``EngineConfig.mesh`` / ``--mesh`` and checks, before anything is compiled, that the
@@ -38,60 +39,75 @@ from jax.sharding import AxisType, Mesh
 from eagle_jax.errors import ConfigError
 from eagle_jax.target import DEFAULT_AXIS_RULES
 
-MESH_AXES = ("data", "model")
-# What EngineConfig.mesh holds after validation: (data, model), or "auto" (every local
-# device on model, resolved when the mesh is built).
-MeshShape = tuple[int, int] | str
+MESH_AXES = ("data", "expert", "model")
+# What EngineConfig.mesh holds after validation: (data, model) when expert is 1,
+# (data, expert, model) otherwise, or "auto" (every local device on model, resolved when
+# the mesh is built).
+MeshShape = tuple[int, int] | tuple[int, int, int] | str
+
+
+def _canonical(data: int, expert: int, model: int) -> MeshShape:
+    return (data, model) if expert == 1 else (data, expert, model)
+
+
+def mesh_sizes(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(data, model)`` or ``(data, expert, model)`` -> ``(data, expert, model)``."""
+    return (shape[0], 1, shape[1]) if len(shape) == 2 else tuple(shape)
 
 
 def parse_mesh(text: str) -> MeshShape:
-    """``"auto"`` or ``"data=D,model=M"`` (either order; an axis left out is 1) ->
-    ``"auto"`` or ``(D, M)``."""
+    """``"auto"`` or ``"data=D,model=M"`` / ``"data=D,expert=E,model=M"`` (any order; an
+    axis left out is 1) -> ``"auto"``, ``(D, M)`` or ``(D, E, M)``."""
     s = text.strip().lower()
     if s == "auto":
         return "auto"
     sizes = {}
     for part in s.split(","):
-        m = re.fullmatch(r"\s*(data|model)\s*=\s*(\d+)\s*", part)
+        m = re.fullmatch(r"\s*(data|expert|model)\s*=\s*(\d+)\s*", part)
         if m is None or m.group(1) in sizes:
-            raise ConfigError(f"mesh {text!r}: expected 'auto' or 'data=D,model=M' (positive integers, each axis once)")
+            raise ConfigError(
+                f"mesh {text!r}: expected 'auto' or 'data=D,model=M' (optionally expert=E; positive integers, each axis once)"
+            )
         sizes[m.group(1)] = int(m.group(2))
-    shape = (sizes.get("data", 1), sizes.get("model", 1))
+    shape = (sizes.get("data", 1), sizes.get("expert", 1), sizes.get("model", 1))
     if min(shape) < 1:
         raise ConfigError(f"mesh {text!r}: axis sizes must be >= 1")
-    return shape
+    return _canonical(*shape)
 
 
 def check_mesh_shape(value) -> MeshShape:
-    """An ``EngineConfig.mesh`` value (``(D, M)``, ``"auto"`` or the string form) in its
-    canonical form, or a ``ConfigError``."""
+    """An ``EngineConfig.mesh`` value (``(D, M)``, ``(D, E, M)``, ``"auto"`` or the string
+    form) in its canonical form, or a ``ConfigError``."""
     if isinstance(value, str):
         return parse_mesh(value)
-    if (isinstance(value, (tuple, list)) and len(value) == 2
+    if (isinstance(value, (tuple, list)) and len(value) in (2, 3)
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
-        return (value[0], value[1])
-    raise ConfigError(f"mesh={value!r} must be (data, model) positive integers, 'auto' or 'data=D,model=M'")
+        return _canonical(*mesh_sizes(tuple(value)))
+    raise ConfigError(
+        f"mesh={value!r} must be (data, model) or (data, expert, model) positive integers, 'auto' or 'data=D,model=M'"
+    )
 
 
 def describe_mesh(mesh: Mesh) -> str:
-    return f"data={mesh.shape['data']},model={mesh.shape['model']}"
+    expert = mesh.shape.get("expert", 1)
+    return f"data={mesh.shape['data']}," + (f"expert={expert}," if expert > 1 else "") + f"model={mesh.shape['model']}"
 
 
 def make_mesh(shape: MeshShape, devices=None) -> Mesh:
-    """The ``(data, model)`` mesh over the first ``D * M`` of ``devices`` (default: the
-    local devices); ``"auto"`` puts every one of them on ``model``."""
+    """The ``(data, expert, model)`` mesh over the first ``D * E * M`` of ``devices``
+    (default: the local devices); ``"auto"`` puts every one of them on ``model``."""
     devices = list(jax.local_devices() if devices is None else devices)
     shape = check_mesh_shape(shape)
-    if shape == "auto":
-        shape = (1, len(devices))
-    need = math.prod(shape)
+    sizes = (1, 1, len(devices)) if shape == "auto" else mesh_sizes(shape)
+    need = math.prod(sizes)
     if need > len(devices):
+        named = ",".join(f"{a}={n}" for a, n in zip(MESH_AXES, sizes) if a != "expert" or n > 1)
         raise ConfigError(
-            f"mesh data={shape[0]},model={shape[1]} needs {need} devices; {len(devices)} "
+            f"mesh {named} needs {need} devices; {len(devices)} "
             f"{'is' if len(devices) == 1 else 'are'} available ({devices[0].platform})"
         )
     # Auto axes: see the module docstring.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[:need])
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:need])
 
 
 def model_axis_rules(sizes: Mapping[str, int], mesh: Mesh, *, what: str = "target",
@@ -108,6 +124,11 @@ def model_axis_rules(sizes: Mapping[str, int], mesh: Mesh, *, what: str = "targe
     unknown = [k for k in sizes if k not in rules]
     if unknown:
         raise ConfigError(f"{what}: logical axes {unknown} have no sharding rule; known: {', '.join(rules)}")
+    if mesh.shape.get("expert", 1) > 1 and "experts" not in sizes:
+        raise ConfigError(
+            f"mesh {describe_mesh(mesh)} does not fit the {what}: expert={mesh.shape['expert']} splits routed experts "
+            "and this model has none; use expert=1"
+        )
     bad = {}
     for name, n in sizes.items():
         axis = rules[name]

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eagle_jax.errors import ConfigError
 
 # Logical axis names used by caches and parameters, and where each goes on the mesh
-# (axes "data" and "model", built by ``eagle_jax.sharding.make_mesh``). None: replicated.
+# (axes "data", "expert" and "model", built by ``eagle_jax.sharding.make_mesh``). None: replicated.
 # Parameters carry theirs as ``logical_axes`` metadata (``model.Linear`` and friends);
 # ``sharding.model_axis_rules`` adapts these rules to a model and mesh (KV heads that do
 # not divide "model" are replicated) and checks the sizes divide.
@@ -56,7 +56,7 @@ DEFAULT_AXIS_RULES: dict[str, str | None] = {
     "draft_vocab": "model",  # the draft's reduced vocabulary (the draft runs replicated today)
     "features": None,  # the draft's fc input: the target's concatenated feature layers
     "latent": None,  # MLA's low-rank widths (q_lora_rank, kv_lora_rank) and its latent cache
-    "experts": None,  # the routed experts of a mixture-of-experts layer (expert parallelism: later)
+    "experts": "expert",  # the routed experts of a mixture-of-experts layer (expert parallelism)
 }
 
 
@@ -96,8 +96,8 @@ def cache_len(cache) -> int:
 
 
 def default_mesh() -> Mesh:
-    """A (data=1, model=1) mesh on the first device (``EngineConfig.mesh``'s default)."""
-    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    """A (data=1, expert=1, model=1) mesh on the first device (``EngineConfig.mesh``'s default)."""
+    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "expert", "model"))
 
 
 def partition_spec(axes: tuple[str | None, ...], rules: dict[str, str | None] = DEFAULT_AXIS_RULES) -> PartitionSpec:

@@ -75,6 +75,77 @@ def engines() -> dict:
     return {"runs": runs}
 
 
+EXPERT_MESHES = [(1, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2)]
+
+
+def tiny_moe_target(int4: bool, seed=0):
+    """A random DeepSeek-V3 target (MLA, one dense layer, 8 routed experts, top-2 of 2
+    groups); with ``int4`` its experts are random INT4 packs."""
+    from eagle_jax.deepseek import DeepseekV3Config, DeepseekV3Model
+    from eagle_jax.quant import QuantConfig
+
+    cfg = DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=2,
+                           first_k_dense_replace=1, routed_scaling_factor=2.0, max_position_embeddings=128,
+                           quant=QuantConfig(group_size=32) if int4 else None, int4_moe_layers=(1, 2) if int4 else ())
+    model = DeepseekV3Model(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for layer in model.layers[1:]:
+        moe = layer.mlp
+        moe.gate_weight.set_value(jnp.asarray(rng.normal(0, 0.5, moe.gate_weight.shape), jnp.float32))
+        if int4:
+            for name in ("gate", "up", "down"):
+                p = getattr(moe, f"experts_{name}_packed")
+                p.set_value(jnp.asarray(rng.integers(-2**31, 2**31, p.shape, dtype=np.int64).astype(np.int32)))
+                sc = getattr(moe, f"experts_{name}_scale")
+                sc.set_value(jnp.asarray(rng.uniform(0.001, 0.01, sc.shape), jnp.float32))
+    return model
+
+
+def experts() -> dict:
+    """Expert parallelism: greedy tokens of a MoE target per mesh (plain, chain, tree;
+    float and INT4 experts), the experts' placed sharding, the plain step's all-reduces."""
+    out: dict = {"runs": {}, "shardings": {}, "hlo": {}, "errors": {}}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 96, size=n).tolist() for n in (3, 5, 7, 9)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    base = dict(max_batch=4, batch_buckets=(4,), max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
+    for int4 in (False, True):
+        target = tiny_moe_target(int4)
+        draft = random_draft(target.config, seed=1, draft_vocab_size=32)
+        for mesh in EXPERT_MESHES:
+            for mode, shape in (("plain", None), ("chain", CHAIN), ("tree", TREE)):
+                if int4 and mode == "tree":
+                    continue
+                cfg = EngineConfig(speculative=shape, mesh=mesh, **base)
+                engine = Engine(target, None if shape is None else draft, cfg,
+                                policy=None if shape is None else FixedPolicy(shape), progress=False)
+                done = engine.generate(prompts, params)
+                out["runs"][f"{'int4' if int4 else 'f32'} {'x'.join(map(str, mesh))} {mode}"] = {
+                    "tokens": [c.token_ids for c in done], "describe": engine._describe}
+        for mesh in [(1, 4, 1), (1, 4, 2), (2, 2, 2)]:
+            t = StepTable(target, None, shapes=(), batch_buckets=(2,), prompt_buckets=(), max_seq_len=32,
+                          sampled=False, mesh=make_mesh(mesh))
+            t.build()
+            key = f"{'int4' if int4 else 'f32'} {'x'.join(map(str, mesh))}"
+            out["shardings"][key] = {k: spec(v) for k, v in zip(_paths(target), t.params[0]) if "experts" in k}
+            text = t._get(("step", 2, None, True)).as_text()
+            out["hlo"][key] = [m.group(1) for m in re.finditer(r"all-reduce(?:-start)?\(.*?replica_groups=(\S+)", text)]
+    for key, fn in {
+        "experts do not divide": lambda: Engine(tiny_moe_target(False), None, EngineConfig(speculative=None, mesh=(1, 3, 1), **base),
+                                                progress=False),
+        "no experts": lambda: Engine(tiny_target(), None, EngineConfig(speculative=None, mesh=(1, 2, 1), **base), progress=False),
+    }.items():
+        try:
+            fn()
+            out["errors"][key] = None
+        except ConfigError as e:
+            out["errors"][key] = str(e)
+    return out
+
+
 def tables() -> dict:
     """Placed shardings, the plain step's collectives, and the clear errors."""
     target = tiny_target()
@@ -128,7 +199,7 @@ def tables() -> dict:
 
 def main() -> None:
     what = sys.argv[1]
-    out = {"tables": tables, "engines": engines}[what]()
+    out = {"tables": tables, "engines": engines, "experts": experts}[what]()
     out["devices"] = len(jax.devices())
     print(json.dumps(out))
 

@@ -47,7 +47,7 @@ def test_bad_mesh_values_are_clear_errors(value):
 def test_default_mesh_is_one_device():
     assert EngineConfig().mesh == (1, 1)
     mesh = make_mesh((1, 1))
-    assert dict(mesh.shape) == {"data": 1, "model": 1}
+    assert dict(mesh.shape) == {"data": 1, "expert": 1, "model": 1}
 
 
 def test_more_devices_than_exist_is_a_clear_error():
@@ -140,3 +140,34 @@ def test_every_mesh_decodes_like_one_device():
     assert "KV heads: 4 split over model" in runs["2x4 chain"]["describe"]
     assert "draft replicated over model" in runs["2x4 tree"]["describe"]
     assert "batch rows split over data=8" in runs["8x1 plain"]["describe"]
+
+
+@pytest.mark.slow
+def test_expert_parallel_moe_decodes_like_one_device():
+    """A DeepSeek-V3 target with its routed experts split over the mesh's expert axis
+    (float and INT4 experts): greedy tokens of every mesh, plain and speculative, equal
+    one device's; the experts' parameters are placed on ``expert`` (and their MLP width
+    on ``model``); each MoE layer adds one all-reduce; meshes that cannot work are named."""
+    out = _worker("experts", timeout=1200)
+    runs = out["runs"]
+    for name, r in runs.items():
+        kind = name.split()[0]
+        assert r["tokens"] == runs[f"{kind} 1x1x1 plain"]["tokens"], name
+    assert len({tuple(t) for t in runs["f32 1x1x1 plain"]["tokens"]}) > 1
+    assert "routed experts: 8 split over expert=8 (1 per device)" in runs["f32 1x8x1 chain"]["describe"]
+    for key, specs in out["shardings"].items():
+        assert specs and all(s[0] == "expert" for s in specs.values()), (key, specs)
+        if key.startswith("f32"):
+            assert specs["layers.1.mlp.experts_gate"] == ["expert", None, "model"]
+            assert specs["layers.2.mlp.experts_down"] == ["expert", "model"]
+        else:
+            assert specs["layers.1.mlp.experts_up_packed"] == ["expert", "model"]
+    # On expert=4 alone, the only collectives are one all-reduce over expert per MoE layer
+    # (the router is replicated: routing needs none).
+    moe_layers = 2
+    for kind in ("f32", "int4"):
+        groups = out["hlo"][f"{kind} 1x4x1"]
+        assert len(groups) == moe_layers and all("'expert'=4" in g or "[1,4]<=[4]" in g for g in groups), groups
+    e = out["errors"]
+    assert "experts 8 is not a multiple of expert=3" in e["experts do not divide"]
+    assert "expert=2 splits routed experts and this model has none" in e["no experts"]
