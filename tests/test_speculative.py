@@ -12,7 +12,7 @@ from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.config import ModelConfig
 from eagle_jax.errors import ConfigError
 from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
-from eagle_jax.model import KVCache, causal_mask
+from eagle_jax.model import causal_mask
 from eagle_jax.sampling import SamplingParams, target_probs
 from eagle_jax.speculative import SpeculativeConfig
 from hf_factories import make_hf_model
@@ -178,7 +178,9 @@ def _exact_pair_probs(target, prompt, sp):
     n = len(prompt)
     seqs = np.array([prompt + [a, b] for a in range(v) for b in range(v)], np.int32)  # [v*v, n+2]
     pos = np.broadcast_to(np.arange(n + 2), seqs.shape)
-    cache = KVCache.zeros(target.config, len(seqs), 32)
+    from eagle_jax.target import init_from_spec
+
+    cache = init_from_spec(target.cache_spec(len(seqs), 32))
     import jax.numpy as jnp
 
     h, _, _ = target(jnp.asarray(seqs), jnp.asarray(pos), cache, jnp.asarray(pos), causal_mask(jnp.asarray(pos), 32))
@@ -235,6 +237,51 @@ def test_sampling_matches_target_distribution(small_vocab, cfg, sp):
     joint = _exact_pair_probs(target, prompt, sp)
     p = _chi2_pvalue(samples, joint)
     assert p > 1e-3, p
+
+
+@pytest.fixture(scope="module")
+def small_vocab_deepseek(tmp_path_factory):
+    """A DeepSeek-V3 target (MLA, MoE) with an 8-token vocabulary and peaky distributions,
+    and a Kimi-format MLA draft (``Eagle3DeepseekV2ForCausalLM``) that disagrees with it."""
+    import transformers
+    from flax import nnx
+
+    from eagle_jax.deepseek import MLAConfig
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=SMALL_V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=4,
+        qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20.0)
+        hf.model.embed_tokens.weight.mul_(5.0)
+    path = tmp_path_factory.mktemp("small_vocab_ds")
+    hf.save_pretrained(path, safe_serialization=True)
+    target = load_model(path)
+    mla = MLAConfig(hidden_size=32, num_attention_heads=2, kv_lora_rank=6, q_lora_rank=None, qk_nope_head_dim=4,
+                    qk_rope_head_dim=4, v_head_dim=4, rope_theta=10000.0)
+    draft = random_draft(target.config, seed=1, draft_vocab_size=SMALL_V, mla=mla)
+    state = nnx.state(draft, nnx.Param)
+    state["lm_head"].set_value(state["lm_head"][...] * 400.0)
+    nnx.update(draft, state)
+    return target, draft
+
+
+@pytest.mark.parametrize("cfg", [SpeculativeConfig(num_steps=2),
+                                 SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6, sampling_verify="rejection")],
+                         ids=lambda c: f"{_cfg_id(c)}-{c.sampling_verify}")
+def test_deepseek_sampling_matches_target_distribution(small_vocab_deepseek, cfg):
+    """The same chi-square test on the DeepSeek family with a Kimi MLA draft."""
+    target, draft = small_vocab_deepseek
+    sp = SamplingParams(temperature=1.0)
+    prompt, samples = _spec_samples(target, draft, cfg, sp, 4096)
+    joint = _exact_pair_probs(target, prompt, sp)
+    assert joint.max() < 0.9  # peaky, not degenerate: the test has something to measure
+    assert _chi2_pvalue(samples, joint) > 1e-3
 
 
 def test_biased_thresholds_fail_the_same_test(small_vocab):
