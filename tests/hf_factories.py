@@ -117,3 +117,50 @@ def make_deepseek_model(kind: str, seed: int = 0):
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
     return model
+
+
+def write_tiny_eval_models(root):
+    """A tiny target with a chat template, a draft for it, and a two-prompt suite, in ``root``.
+
+    Random weights would make the draft's guesses all wrong, leaving the accept paths
+    untested. So both models see only one coordinate of their final hidden state (norm
+    weight zero elsewhere), and both heads turn its sign into token a or token b: the
+    target's sign and the draft's agree on some steps and not on others.
+    """
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eagle_jax.checkpoint.draft_io import random_draft, save_draft
+    from eagle_jax.config import ModelConfig
+
+    hf = make_hf_model("llama3", seed=3)
+    target = root / "target"
+    hf.save_pretrained(target, safe_serialization=True)
+    draft_model = random_draft(ModelConfig.from_dir(target), seed=0, draft_vocab_size=150)
+    d2t = np.asarray(draft_model.d2t[...])
+    in_draft = [(i, i + int(d2t[i])) for i in range(len(d2t)) if i + int(d2t[i]) > 2]  # skip EOS (w2)
+    (ia, a), (ib, b) = in_draft[0], in_draft[1]
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()
+        hf.model.norm.weight[0] = 1.0
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[a, 0], hf.lm_head.weight[b, 0] = 10.0, -10.0
+    hf.save_pretrained(target, safe_serialization=True)
+    write_word_tokenizer(target, hf.config.vocab_size)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    h = draft_model.config.hidden_size
+    draft_model.norm.weight.set_value(jnp.zeros((h,)).at[0].set(1.0))
+    draft_model.lm_head.set_value(jnp.zeros_like(draft_model.lm_head[...]).at[0, ia].set(10.0).at[0, ib].set(-10.0))
+    draft = root / "draft"
+    save_draft(draft_model, draft)
+    suite = root / "tiny.jsonl"
+    suite.write_text(
+        '{"id": "p1", "messages": [{"role": "user", "content": "w5 w9 w13 w40"}]}\n'
+        "\n"
+        '{"id": "p2", "prompt": "w7 w8 w100"}\n'
+    )
+    return {"target": target, "draft": draft, "suite": suite, "root": root}
