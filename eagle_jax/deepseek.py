@@ -665,15 +665,16 @@ def route(
     return w * cfg.routed_scaling_factor, idx
 
 
-def moe_impl_for(n_tokens: int, k: int, n_experts: int, backend: str | None = None) -> str:
-    """``gather`` while the (token, choice) pairs are no more than the experts (each pair
-    reads one expert's matrices: decode reads only the experts it uses); past that,
-    experts repeat across pairs and a grouped form reads each used expert once per
-    group: ``blocked`` on CPU (measured fastest there, scripts/bench_moe.py and
-    results/bench_moe.json: XLA CPU runs ``ragged_dot`` and the dense form 3-10x
-    slower), ``ragged`` (``jax.lax.ragged_dot``, a grouped GEMM) on accelerators,
-    unmeasured here."""
-    if n_tokens * k <= n_experts:
+def moe_impl_for(n_tokens: int, k: int, n_experts: int, backend: str | None = None, int4: bool = False) -> str:
+    """``gather`` while the (token, choice) pairs are no more than the experts (half the
+    experts for INT4 packs, whose unpacking ``gather`` repeats per pair): each pair
+    reads one expert's matrices, so decode reads only the experts it uses. Past that,
+    experts repeat across pairs and a grouped form reads (and unpacks) each used expert
+    once per block: ``blocked`` on CPU (fastest there, within 1.1x of the best
+    formulation at every measured point: scripts/bench_moe.py, results/bench_moe.json;
+    XLA CPU runs ``ragged_dot`` and the dense form 3-20x slower), ``ragged``
+    (``jax.lax.ragged_dot``, a grouped GEMM) on accelerators, unmeasured here."""
+    if n_tokens * k <= (n_experts // 2 if int4 else n_experts):
         return "gather"
     return "blocked" if (backend or jax.default_backend()) == "cpu" else "ragged"
 
@@ -791,7 +792,7 @@ def _expert_parallel(x, w, idx, mats, shards: int, impl: str) -> Float[Array, "N
         mine = (idx >= first) & (idx < first + local_e)
         li = jnp.where(mine, idx - first, 0)
         lw = jnp.where(mine, w, 0.0)
-        chosen = impl if impl != "auto" else moe_impl_for(x.shape[0], k, local_e)
+        chosen = impl if impl != "auto" else moe_impl_for(x.shape[0], k, local_e, int4=isinstance(mats[0], Int4Weight))
         return jax.lax.psum(experts_forward(x, lw, li, *mats, impl=chosen), "expert")
 
     spec = jax.sharding.PartitionSpec
@@ -854,7 +855,9 @@ class MoE(nnx.Module):
         return y
 
     def _impl(self, n_tokens: int, n_experts: int) -> str:
-        return moe_impl_for(n_tokens, self.cfg.num_experts_per_tok, n_experts) if self.impl == "auto" else self.impl
+        if self.impl != "auto":
+            return self.impl
+        return moe_impl_for(n_tokens, self.cfg.num_experts_per_tok, n_experts, int4=self.int4)
 
     def _experts(self, name: str) -> ExpertMatrices:
         if self.int4:

@@ -9,6 +9,9 @@ Token counts cover decode (1 per sequence), tree verification (4..16) and prefil
 
     .venv/bin/python scripts/bench_moe.py                 # writes results/bench_moe.json
     .venv/bin/python scripts/bench_moe.py --quick         # a smoke run
+    .venv/bin/python scripts/bench_moe.py --rescore results/bench_moe.json
+        # the auto rule's pick and its regret recomputed from the saved medians (after a
+        # change of moe_impl_for; the measurements are not touched)
 """
 
 from __future__ import annotations
@@ -74,7 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="3 rounds, 2 token counts")
     ap.add_argument("--out", type=Path, default=Path("results/bench_moe.json"))
+    ap.add_argument("--rescore", type=Path, help="recompute the rule columns of a saved run with today's moe_impl_for")
     args = ap.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore)
     rounds, tokens = (3, (1, 16)) if args.quick else (args.rounds, TOKENS)
     rows = []
     for shape_name, shape in SHAPES.items():
@@ -100,7 +106,7 @@ def main(argv=None) -> int:
                         times[impl].append((time.perf_counter() - t0) * 1e3)
                 med = {impl: statistics.median(t) for impl, t in times.items()}
                 best = min(med, key=med.get)
-                rule = moe_impl_for(n, k, e, "cpu")
+                rule = moe_impl_for(n, k, e, "cpu", int4=int4)
                 row = {"shape": shape_name, "experts": e, "top_k": k, "hidden": h, "width": i, "int4": int4,
                        "tokens": n, "median_ms": med, "min_ms": {m: min(t) for m, t in times.items()},
                        "best": best, "rule": rule, "rule_vs_best": med[rule] / med[best]}
@@ -113,6 +119,26 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
+    return 0
+
+
+def rescore(path: Path) -> int:
+    """The rule's pick and regret for every saved row, from its medians (no timing)."""
+    import subprocess
+
+    data = json.loads(path.read_text())
+    worst = 1.0
+    for row in data["results"]:
+        rule = moe_impl_for(row["tokens"], row["top_k"], row["experts"], "cpu", int4=row["int4"])
+        row["rule"], row["rule_vs_best"] = rule, row["median_ms"][rule] / row["median_ms"][row["best"]]
+        worst = max(worst, row["rule_vs_best"])
+        print(f"{row['shape']:13s} {'int4' if row['int4'] else 'f32 '} N={row['tokens']:4d}  best {row['best']:7s} "
+              f"rule {rule:7s} ({row['rule_vs_best']:.2f}x)")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    data["rescored"] = {"by": f"scripts/bench_moe.py --rescore {path}", "rule_at_commit": commit,
+                        "worst_rule_vs_best": worst}
+    path.write_text(json.dumps(data, indent=2))
+    print(f"worst rule/best: {worst:.2f}x; wrote {path}")
     return 0
 
 
