@@ -113,6 +113,7 @@ def test_tiny_sweep_writes_lines_table_and_plot_and_reproduces(tiny, tmp_path):
         ablate.run_sweep(ablate.load_config(other), out)
 
 
+@pytest.mark.slow
 def test_sampled_points_are_seeded_and_coupled_ones_equal_plain(tiny, tmp_path):
     f = tmp_path / "t.toml"
     f.write_text(_config(tiny, 'temperature = [0.8]\nsampling_verify = ["coupled", "rejection"]\nsteps = [2]'))
@@ -124,6 +125,7 @@ def test_sampled_points_are_seeded_and_coupled_ones_equal_plain(tiny, tmp_path):
     assert coupled["result"]["identical_to_plain"] is True and rejection["result"]["identical_to_plain"] is None
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_losing_or_repeating_points(tiny, tmp_path):
     f = tmp_path / "k.toml"
     f.write_text(_config(tiny, 'steps = [1, 2, 3]\nbatch_size = [1, 2]'))

@@ -271,6 +271,7 @@ def small_vocab_deepseek(tmp_path_factory):
     return target, draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [SpeculativeConfig(num_steps=2),
                                  SpeculativeConfig(num_steps=2, topk=3, num_draft_tokens=6, sampling_verify="rejection")],
                          ids=lambda c: f"{_cfg_id(c)}-{c.sampling_verify}")

@@ -181,6 +181,7 @@ def test_int4_logits_match_the_dequantized_model(int4, float_dir, moe_impl):
         np.testing.assert_allclose(np.asarray(model.logits(h))[:, 0], want[:, j], rtol=TOL, atol=TOL)
 
 
+@pytest.mark.slow
 def test_int4_target_speculates_losslessly(int4):
     """Greedy chains and trees on the INT4 target: token-identical to its plain decoding."""
     _, path, _, _ = int4
