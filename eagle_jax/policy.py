@@ -319,6 +319,23 @@ class AutoPolicy:
         return self._trees[shape].expected_length(shape.num_steps, optimism, prior=self._chains.rates())
 
     def step_seconds(self, bucket: int, shape: SpeculativeConfig | None) -> float:
+        """The predicted time of one step: the calibrated time times the measured
+        correction, but never less than a step it contains plus the extra work the
+        calibration timed (a speculative step runs the plain forward and the draft, a
+        chain of S steps what a shorter one does and more). The corrections are measured
+        at different context lengths and with noise; a speculative step predicted no
+        dearer than plain would win with any acceptance at all (a random draft's chain
+        S=1 kept running that way)."""
+        t = self._corrected_seconds(bucket, shape)
+        if shape is None:
+            return t
+        cal = self.calibration.seconds
+        smaller = [None] + [s for s in self.shapes if shape.is_chain and s.is_chain and s.num_steps < shape.num_steps]
+        for s in smaller:
+            t = max(t, self._corrected_seconds(bucket, s) + cal[(bucket, shape)] - cal[(bucket, s)])
+        return t
+
+    def _corrected_seconds(self, bucket: int, shape: SpeculativeConfig | None) -> float:
         if self.calibration is None:
             raise ConfigError("AutoPolicy has no step timings: the engine calls calibrate() once the step table is built")
         base = self.calibration.seconds.get((bucket, shape))

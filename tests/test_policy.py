@@ -97,6 +97,28 @@ def test_a_draft_that_never_pays_is_learned_and_plain_wins():
     assert p.expected_length(CHAINS[0]) < 1.1 and p.expected_length(TREE) < 1.2
 
 
+def test_measured_times_cannot_make_a_speculative_step_cheaper_than_plain():
+    """Corrections measured at different context lengths can put a chain's step below the
+    plain step it contains (here plain's steps ran at longer contexts and measured 12 ms,
+    the chain's 10.5 ms). Predicted as measured, chain S=1 would beat plain with any
+    acceptance at all, and a random draft's chain would run forever; kept in the order of
+    the work (plain's time plus the extra the calibration timed), plain wins once the
+    estimate falls."""
+    p = AutoPolicy(CHAINS[:2], hysteresis=3, explore_every=8)
+    p.calibrate(_times(plain_ms=10, per_token_ms=0.5), buckets=[4])
+    chosen = []
+    for _ in range(400):
+        shape = p.choose(4)
+        chosen.append(shape)
+        p.observe(4, shape, np.ones(4, np.int64), 4 * (0.012 if shape is None else 0.0105))
+    # At least plain's measured time plus the 0.5 ms (x4 rows) the calibration timed on top.
+    assert p.step_seconds(4, CHAINS[0]) >= p.step_seconds(4, None) + 0.002 - 1e-12
+    assert p.step_seconds(4, CHAINS[1]) >= p.step_seconds(4, CHAINS[0]) + 0.002 - 1e-12
+    assert p.report()[4]["chosen"] == "plain"
+    # Plain in force; what else runs is the exploration probe, one step in ``explore_every``.
+    assert sum(s is None for s in chosen[-96:]) >= 96 - 96 // 8, chosen[-96:]
+
+
 def test_hysteresis_and_measured_step_times():
     """A challenger takes over only after ``hysteresis`` consecutive wins; measured step
     times replace the calibrated ones (a shape's own ratio after three, else the bucket's)."""
