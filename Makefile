@@ -68,6 +68,7 @@ DRAFT_DIR := checkpoints/smollm2-135m-instruct-eagle3
 BENCH_ENGINE_ARGS := --draft $(DRAFT_DIR) --steps 3 --topk 4 --draft-tokens 8 --threshold 1
 bench: install-test model
 	for c in scripts/ablations/*.toml; do $(VPY) -m eagle_jax.cli ablate $$c || exit 1; done
+	$(VPY) -m eagle_jax.cli bench --draft $(DRAFT_DIR) --batch-sizes 1 4 16 --policies fixed auto
 	$(VPY) scripts/bench_decode.py
 	$(VPY) scripts/bench_spec.py
 	$(VPY) scripts/bench_draft.py --draft $(DRAFT_DIR) --configs "chain S=2" "chain S=3" "tree S=3 k=4 T=8"

@@ -86,12 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     i.set_defaults(func=cmd_import_gguf)
 
-    from eagle_jax import ablate, doctor, evaluate
+    from eagle_jax import ablate, bench, doctor, evaluate
     from eagle_jax.train import commands as train_commands
 
     doctor.add_parser(sub)
     evaluate.add_parser(sub)
     ablate.add_parser(sub)
+    bench.add_parser(sub)
     train_commands.add_parsers(sub)
     return p
 

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax.bench import matvec_bandwidth, weight_bytes_per_step
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
 from eagle_jax.generate import Buckets, Generator
@@ -41,34 +41,6 @@ QUESTIONS = [
     "Give me a short recipe for pancakes.",
     "What is a prime number?",
 ]
-
-
-def matvec_bandwidth(repeats: int = 20) -> float:
-    """Bytes/s of float32 weights streamed by a jitted matrix-vector product."""
-    w = jnp.asarray(np.random.default_rng(0).standard_normal((8192, 8192), dtype=np.float32))  # 256 MiB
-    x = jnp.ones((1, 8192), jnp.float32)
-    f = jax.jit(lambda x, w: x @ w)
-    f(x, w).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x, w).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return w.nbytes / statistics.median(times)
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights a decode step reads: every matrix and norm, the head, but only
-    B rows of the embedding table (negligible, so the table is left out)."""
-    from flax import nnx
-
-    state = nnx.state(model, nnx.Param)
-    total = 0
-    for path, v in nnx.to_flat_state(state):
-        if path == ("embed_tokens",):
-            continue
-        total += v[...].nbytes
-    return total
 
 
 def time_decode_steps(gen: Generator, prompts, steps: int, repeats: int) -> list[float]:

@@ -58,6 +58,7 @@ def test_draft_data_writes_conversations_features_and_manifest(draft_data_run):
     assert "train features: 20/20 sequences" in err
 
 
+@pytest.mark.slow  # the fast suite stays under 20 min on 2 cores
 def test_train_draft_then_generate_with_it(tiny_dir, data_dir, tmp_path):
     out = tmp_path / "draft"
     r = run("train-draft", "--model", tiny_dir, "--data", data_dir, "--out", out, "--draft-vocab", "150",
@@ -125,6 +126,7 @@ def _learning_curve(out):
     return {step: (rec["response_tokens_seen"], rec["acc"]) for step, rec in _records(out, "eval").items()}
 
 
+@pytest.mark.slow  # the fast suite stays under 20 min on 2 cores
 def test_killed_training_resumes_with_the_losses_of_an_uninterrupted_run(tiny_dir, data_dir, tmp_path):
     """SIGKILL mid-run, then --resume: every step's loss equals the uninterrupted run's
     (same batches in the same order, nothing repeated or skipped); a corrupted newest

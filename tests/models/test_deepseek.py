@@ -155,8 +155,15 @@ def test_greedy_matches_transformers_generate(ds_checkpoint):
         assert c.token_ids == _hf_greedy(hf, p, 20), kind
 
 
-@pytest.mark.parametrize("spec", [SpeculativeConfig(num_steps=3), SpeculativeConfig(num_steps=3, topk=3, num_draft_tokens=6)],
-                         ids=["chain3", "tree3-3-6"])
+CHAIN3, TREE336 = SpeculativeConfig(num_steps=3), SpeculativeConfig(num_steps=3, topk=3, num_draft_tokens=6)
+SLOW = pytest.mark.slow  # ~20-50 s each: the fast suite keeps the variant that covers the most (q_lora, YaRN, groups)
+
+
+@pytest.mark.parametrize("ds_checkpoint, spec", [
+    ("ds_qlora_yarn_groups", CHAIN3), ("ds_qlora_yarn_groups", TREE336),
+    pytest.param("ds_plain", CHAIN3, marks=SLOW), pytest.param("ds_plain", TREE336, marks=SLOW),
+], ids=["ds_qlora_yarn_groups-chain3", "ds_qlora_yarn_groups-tree3-3-6", "ds_plain-chain3", "ds_plain-tree3-3-6"],
+    indirect=["ds_checkpoint"])
 def test_greedy_speculation_is_token_identical(ds_checkpoint, spec):
     """Chains and trees at batch 1 and 4, with a random draft (accepts about 1 token) and
     a noisy oracle (accepts several, so multi-token commits of the latent cache run)."""
@@ -232,7 +239,10 @@ def _kimi_mla(target_cfg):
                      rope=YarnRope(factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0))
 
 
-@pytest.mark.parametrize("fmt", ["mla", "llama-full-vocab"])
+@pytest.mark.parametrize("ds_checkpoint, fmt", [
+    ("ds_qlora_yarn_groups", "mla"), pytest.param("ds_qlora_yarn_groups", "llama-full-vocab", marks=SLOW),
+    pytest.param("ds_plain", "mla", marks=SLOW), pytest.param("ds_plain", "llama-full-vocab", marks=SLOW),
+], ids=lambda v: v, indirect=["ds_checkpoint"])
 def test_kimi_draft_formats_load_and_speculate_losslessly(ds_checkpoint, fmt, tmp_path):
     """Both released Kimi-K2.5 draft formats: ``Eagle3DeepseekV2ForCausalLM`` (one MLA
     layer) and ``LlamaForCausalLMEagle3`` with the full vocabulary (no draft_vocab_size,

@@ -210,6 +210,7 @@ def test_resume_after_interruption_equals_uninterrupted(tiny_dir, prompt_files, 
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
 
 
+@pytest.mark.slow  # the fast suite stays under 20 min on 2 cores
 def test_sigkilled_run_resumes(tiny_dir, prompt_files, reference, tmp_path):
     """A real kill: the process is SIGKILLed once it has written some answers (while it
     answers the rest, or while it computes features: both must resume)."""

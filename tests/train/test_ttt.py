@@ -113,6 +113,7 @@ def test_ttt_loss_diagonal_equals_dense(target):
         loss(params, "sparse")
 
 
+@pytest.mark.slow  # the fast suite stays under 20 min on 2 cores
 def test_query_rows_keep_the_loss(target):
     """Unrolling only from the anchors near the response (``query_rows``) gives the loss,
     per-step losses, counts and gradients of unrolling from every position, for prompts
