@@ -223,7 +223,11 @@ def git_info(root: str | Path) -> dict[str, Any]:
         return {"error": "git is not installed"}
     except (subprocess.TimeoutExpired, RuntimeError) as e:
         return {"error": str(e)}
-    return {"root": toplevel, "commit": commit, "dirty": bool(changed), "changed_files": len(changed)}
+    # The changed paths (relative to the checkout; at most 20) say whether figures came
+    # from changed code or only from a checkout whose results/ files were being written.
+    paths = [line[3:] for line in changed]
+    return {"root": toplevel, "commit": commit, "dirty": bool(changed), "changed_files": len(changed),
+            "changed_paths": paths[:20]}
 
 
 def project_modules() -> list[dict[str, Any]]:

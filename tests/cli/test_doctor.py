@@ -294,3 +294,26 @@ def test_predict_times_the_candidates_and_names_the_best_per_bucket(model_dir, d
         doctor.predict_shapes(doctor.collect_report(model_dir, None), argparse.Namespace(model=model_dir, draft=None, shapes=None), "1")
     with pytest.raises(InputError, match="comma-separated integers"):
         doctor.predict_shapes(doctor.collect_report(model_dir, draft_dir), args, "1,x")
+
+
+def test_git_info_names_the_changed_paths(tmp_path):
+    """A dirty flag alone cannot tell changed code from a results file being written."""
+    import subprocess
+
+    from eagle_jax.doctor import git_info
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = git_info(tmp_path)
+    assert clean["dirty"] is False and clean["changed_paths"] == []
+    (tmp_path / "code.py").write_text("x = 2\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "points.jsonl").write_text("{}\n")
+    info = git_info(tmp_path)
+    assert info["dirty"] is True and info["changed_files"] == 2
+    assert sorted(info["changed_paths"]) == ["code.py", "results/"]
