@@ -440,9 +440,22 @@ def _label(values: dict, sweep: Sweep) -> str:
     return ", ".join(f"{k}={values.get(k)}" for k in sweep.grid) or "the point"
 
 
+def ran(res: dict) -> str:
+    """What a policy ran: its steps per (bucket: shape), most first, as 'chain S=1 83, plain 12'."""
+    steps = res.get("steps_by_bucket") or {}
+    merged: dict = {}
+    for k, n in steps.items():
+        shape = k.split(": ", 1)[-1]
+        merged[shape] = merged.get(shape, 0) + n
+    return ", ".join(f"{k} {n}" for k, n in sorted(merged.items(), key=lambda kv: -kv[1]))
+
+
 def markdown(sweep: Sweep, records: list[dict]) -> str:
     fields = list(sweep.grid)
+    policies = any(r["point"].get("policy") in ("auto", "threshold") for r in records)
     head = fields + ["accept length", "spec tok/s (min-max)", "plain tok/s (min-max)", "speedup"]
+    if policies:
+        head.append("ran (steps)")
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         res = r["result"]
@@ -452,6 +465,8 @@ def markdown(sweep: Sweep, records: list[dict]) -> str:
                   f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})" if s else "-",
                   f"{p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f})",
                   f"{res['speedup']:.2f}x" if "speedup" in res else "-"]
+        if policies:
+            cells.append(ran(res) or "-")
         rows.append("| " + " | ".join(cells) + " |")
     fixed = ", ".join(f"{k}={v}" for k, v in sweep.fixed.items())
     env = records[0]["fingerprint"] if records else {}
@@ -509,6 +524,11 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path) -> None:
             for name, pts in series.items():
                 xs = sorted(pts)
                 ax.plot(xs, [pts[x] for x in xs], "o-", label=name)
+            for r in records:  # the policies' choices: what ran most at each point
+                res = r["result"]
+                if r["point"].get("policy") in ("auto", "threshold") and "speedup" in res and ran(res):
+                    ax.annotate(ran(res).split(",")[0].rsplit(" ", 1)[0], (r["point"]["batch_size"], res["speculative"]["median"]),
+                                textcoords="offset points", xytext=(4, 4), fontsize=6)
             ax.set_xscale("log", base=2)
             bs = sorted({r["point"]["batch_size"] for r in records})
             ax.set_xticks(bs, [str(b) for b in bs])

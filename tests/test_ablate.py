@@ -153,3 +153,24 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_points(tiny, tmp_pat
     assert len(keys) == 6 and len(set(keys)) == 6
     assert {k for k in keys} == {p.key for p in ablate.load_config(f).points}
     assert f"{len(before)} already in" in r.stderr
+
+
+def test_policy_points_say_what_ran(tmp_path):
+    """A threshold or auto point's table row and plot name what the policy ran, per shape
+    summed over buckets, most first."""
+    f = tmp_path / "p.toml"
+    f.write_text('name = "p"\ndraft = "d"\npolicy = "threshold"\nthreshold = 1\nshape = "chain S=2"\n[grid]\nbatch_size = [1, 4]\n')
+    sweep = ablate.load_config(f)
+
+    def rec(b, steps, tps):
+        spread = {"median": tps, "min": tps, "max": tps, "runs": [tps]}
+        return {"point": sweep.points[[1, 4].index(b)].values, "fingerprint": {},
+                "result": {"plain": spread, "speculative": spread, "speedup": 1.0, "mean_accept_length": 1.5,
+                           "acceptance_rate_by_depth": [0.4, 0.1], "steps_by_bucket": steps}}
+
+    recs = [rec(1, {"1: chain S=2": 30}, 40.0), rec(4, {"4: plain": 25, "4: chain S=2": 1, "1: chain S=2": 9}, 90.0)]
+    table = ablate.markdown(sweep, recs)
+    assert "| ran (steps) |" in table
+    assert "| chain S=2 30 |" in table and "| plain 25, chain S=2 10 |" in table
+    ablate.save_plots(sweep, recs, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
