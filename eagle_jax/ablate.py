@@ -26,8 +26,11 @@ raised before anything runs (every point is resolved first).
 Each point runs plain decoding and its speculative setting on the same prompts at its
 batch size (continuous batching, ``max_batch = batch_size``), interleaved ``repeats``
 times after a warm-up; tokens/s are medians with min and max; mean accept length and
-acceptance by depth come from the first pass. Greedy points, and sampled points under
-coupled verification, must reproduce plain decoding token for token (checked).
+acceptance by depth come from the first pass. Greedy points must reproduce plain
+decoding token for token (checked: a difference stops the sweep). Sampled points under
+coupled verification report how many prompts did and where the others part: they agree
+except where a draw falls within float32 rounding of a boundary of the distribution,
+where the verify forward and the plain one may pick either neighbour.
 
 Output, in ``--out`` (default ``results/ablations/NAME``): ``points.jsonl``, one line per
 finished point with the point's fields, its figures and an environment fingerprint
@@ -377,15 +380,32 @@ class Runner:
             res["speculative"] = _spread(runs["speculative"])
             res["speedup"] = res["speculative"]["median"] / res["plain"]["median"]
             res.update(acceptance(accepts, depth))
-            lossless_by_tokens = v["temperature"] == 0 or v["sampling_verify"] == "coupled"
-            if lossless_by_tokens:
-                bad = [i for i, (p, s) in enumerate(zip(plain_out, spec_out)) if p.token_ids != s.token_ids]
+            bad = [i for i, (p, s) in enumerate(zip(plain_out, spec_out)) if p.token_ids != s.token_ids]
+            if v["temperature"] == 0:
                 if bad:
                     raise RuntimeError(
-                        f"point {point.key}: speculative output differs from plain decoding on prompt(s) {bad}"
-                        " (greedy and coupled-sampled outputs must be identical)"
-                    )
-            res["identical_to_plain"] = True if lossless_by_tokens else None
+                        f"point {point.key}: greedy speculative output differs from plain decoding on prompt(s) {bad}")
+                res["identical_to_plain"] = True
+            elif v["sampling_verify"] == "coupled":
+                # Coupled verification draws each position's token with plain decoding's
+                # uniform, so the texts agree, except where that uniform falls within
+                # float32 rounding of a boundary of the cumulative distribution: the verify
+                # forward (several tokens) and the plain one (one) round differently, and
+                # there either token is a correct draw. Seen once in 4,600 tokens (SmolLM2,
+                # T=1.0: the uniform 2.2e-7 above the boundary in a float64 reference).
+                # Reported, with where the texts part, not failed; greedy points fail.
+                res["identical_to_plain"] = not bad
+                res["prompts_identical_to_plain"] = len(prompts) - len(bad)
+                res["divergences"] = [
+                    {"prompt": i, "token_index": next((j for j, (x, y) in enumerate(zip(plain_out[i].token_ids, spec_out[i].token_ids))
+                                                       if x != y), min(len(plain_out[i].token_ids), len(spec_out[i].token_ids)))}
+                    for i in bad]
+                if bad:
+                    self.log(f"point {point.key}: coupled-sampled output parts from plain decoding at "
+                             + ", ".join(f"prompt {d['prompt']} token {d['token_index']}" for d in res["divergences"])
+                             + " (a draw within float rounding of a distribution boundary; see ablate.Runner.run)")
+            else:
+                res["identical_to_plain"] = None  # rejection sampling: the same distribution, other draws
             summary = spec.metrics.summary()
             res["steps_by_bucket"] = summary["steps_by_bucket"]
             res["policy"] = spec.policy.describe()
@@ -456,6 +476,9 @@ def markdown(sweep: Sweep, records: list[dict]) -> str:
     head = fields + ["accept length", "spec tok/s (min-max)", "plain tok/s (min-max)", "speedup"]
     if policies:
         head.append("ran (steps)")
+    coupled = any("prompts_identical_to_plain" in r["result"] for r in records)
+    if coupled:
+        head.append("same text as plain")
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         res = r["result"]
@@ -467,6 +490,10 @@ def markdown(sweep: Sweep, records: list[dict]) -> str:
                   f"{res['speedup']:.2f}x" if "speedup" in res else "-"]
         if policies:
             cells.append(ran(res) or "-")
+        if coupled:
+            n = res.get("prompts_identical_to_plain")
+            cells.append(f"{n}/{res['prompts']}" if n is not None else
+                         ("all" if res.get("identical_to_plain") else "- (other draws)" if "speedup" in res else "-"))
         rows.append("| " + " | ".join(cells) + " |")
     fixed = ", ".join(f"{k}={v}" for k, v in sweep.fixed.items())
     env = records[0]["fingerprint"] if records else {}

@@ -123,6 +123,7 @@ def test_sampled_points_are_seeded_and_coupled_ones_equal_plain(tiny, tmp_path):
         assert a["result"]["accept_length_histogram"] == b["result"]["accept_length_histogram"]
     coupled, rejection = recs
     assert coupled["result"]["identical_to_plain"] is True and rejection["result"]["identical_to_plain"] is None
+    assert coupled["result"]["prompts_identical_to_plain"] == 2 and coupled["result"]["divergences"] == []
 
 
 @pytest.mark.slow
