@@ -313,7 +313,9 @@ class Runner:
         v = point.values
         sampled = v["temperature"] > 0
         spec = point.speculative if speculative else None
-        key = (id(target), id(draft) if spec is not None else None, v["batch_size"], sampled,
+        # Every setting the engine is built with: a sweep over suites needs other cache
+        # and prompt buckets for each (a longer suite's prompts do not fit the last one's).
+        key = (id(target), id(draft) if spec is not None else None, max_seq_len, tuple(buckets), v["batch_size"], sampled,
                v["policy"] if spec is not None else None, spec.shape if spec is not None else None,
                v.get("threshold"), spec.sampling_verify if spec is not None else None)
         if key in self._engines:

@@ -175,3 +175,16 @@ def test_policy_points_say_what_ran(tmp_path):
     assert "| chain S=2 30 |" in table and "| plain 25, chain S=2 10 |" in table
     ablate.save_plots(sweep, recs, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_sweep_over_suites_builds_engines_for_each_suites_lengths(tiny, tmp_path):
+    """Engines are reused only for the same cache and prompt buckets: a longer suite after
+    a short one once met the short suite's plain engine ('max_seq_len=... leaves no room')."""
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"id": "l1", "prompt": "' + " ".join(f"w{i % 90 + 3}" for i in range(40)) + '"}\n')
+    f = tmp_path / "s.toml"
+    f.write_text(f'name = "s"\nmodel = "{tiny["target"]}"\ndraft = "{tiny["draft"]}"\nmax_new_tokens = 4\nrepeats = 1\n'
+                 f'shape = "chain S=1"\n[grid]\nsuite = ["{tiny["suite"]}", "{long}"]\n')
+    recs = ablate.run_sweep(ablate.load_config(f), tmp_path / "o", log=lambda m: None)
+    assert [r["result"]["prompts"] for r in recs] == [2, 1]
+    assert all(r["result"]["identical_to_plain"] is True for r in recs)
