@@ -442,7 +442,7 @@ class EngineMetrics:
 # ----------------------------------------------------------------------------- loading
 
 
-def _load(target, draft, dtype):
+def _load(target, draft, dtype, mesh=None):
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
     from eagle_jax.config import ModelConfig
@@ -454,7 +454,8 @@ def _load(target, draft, dtype):
             # The draft says which target layers feed it; build the target to return those.
             dcfg = read_draft_config(draft, target_cfg=ModelConfig.from_dir(path))
             cfg = ModelConfig.from_dir(path).replace(aux_layer_ids=dcfg.aux_layer_ids)
-        target = load_model(path, dtype=dtype, config=cfg)
+        # On a mesh of several devices each parameter is read straight into its shards.
+        target = load_model(path, dtype=dtype, config=cfg, mesh=mesh)
     if isinstance(draft, (str, Path)):
         draft = load_draft(draft, target=target, dtype=dtype)
     if not isinstance(target, TargetModel):
@@ -923,7 +924,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         raise ConfigError("draft_hook and hook_width go together")
     target_path = target
     mesh = make_mesh(config.mesh)  # before loading: too few devices fails fast
-    target, draft = _load(target, draft, config.dtype)
+    target, draft = _load(target, draft, config.dtype, mesh)
     if draft is not None:
         check_compatible(draft.config, target.config)
         for s in shapes:

@@ -197,9 +197,83 @@ def tables() -> dict:
     return out
 
 
+def sliced() -> dict:
+    """A multi-file Hugging Face checkpoint loaded straight onto meshes: parameter values
+    and shardings, the host memory the load stages (tracemalloc: numpy and safetensors
+    allocations, not the device buffers), and greedy output of an engine given the path."""
+    import tempfile
+    import tracemalloc
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    from eagle_jax.checkpoint.hf import load_model, safetensors_files
+
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                   max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d, safe_serialization=True, max_shard_size="3MB")
+        sys.path.insert(0, str(Path(__file__).parent))
+        from hf_factories import write_word_tokenizer
+
+        write_word_tokenizer(Path(d), cfg.vocab_size)  # the engine given a path reads its tokenizer
+        files = safetensors_files(Path(d))
+        out["files"] = len(set(files.values()))
+        sizes = {}
+        for f in set(files.values()):
+            with safe_open(f, framework="numpy") as h:
+                for n in h.keys():
+                    sizes[n] = int(np.prod(h.get_slice(n).get_shape())) * 4
+        out["checkpoint_bytes"] = sum(sizes.values())
+        out["largest_tensor_bytes"] = max(sizes.values())
+        # tracemalloc sees safetensors' host reads: a full read peaks at the checkpoint.
+        tracemalloc.start()
+        held = []
+        for f in sorted(set(files.values())):
+            with safe_open(f, framework="numpy") as h:
+                held += [h.get_tensor(n) for n in h.keys()]
+        out["full_read_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        del held
+        full = load_model(d)
+        want = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(full, nnx.Param))}
+        out["meshes"] = {}
+        for shape in ((1, 8), (2, 4)):
+            mesh = make_mesh(shape)
+            load_model(d, mesh=mesh)  # first: compiles and imports, not what a load stages
+            tracemalloc.start()
+            model = load_model(d, mesh=mesh)
+            # On CPU devices a device buffer may alias the numpy block it was made from, so
+            # what stays traced after the load is the devices' memory; the staging is the
+            # peak above it.
+            live, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+            equal = all(np.array_equal(np.asarray(got[p][...]), w) for p, w in want.items())
+            specs = {".".join(map(str, p)): spec(got[p][...]) for p in got
+                     if p[-1] in ("kernel", "embedding", "weight") or p == ("lm_head",) or p == ("embed_tokens",)}
+            out["meshes"][f"{shape[0]}x{shape[1]}"] = {"peak_bytes": peak, "live_bytes": live, "equal": equal, "specs": specs}
+        # The engine given the path loads sliced and decodes like one device.
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, 2048, size=n).tolist() for n in (3, 7)]
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        base = dict(max_batch=2, max_seq_len=32, prompt_buckets=(16,), speculative=None)
+        one = Engine(full, None, EngineConfig(**base), progress=False).generate(prompts, params)
+        tp = Engine(d, None, EngineConfig(mesh=(1, 8), **base), progress=False)
+        out["engine_equal"] = [c.token_ids for c in tp.generate(prompts, params)] == [c.token_ids for c in one]
+        out["engine_param_specs"] = sorted({str(spec(a)) for a in jax.tree.leaves(tp._table.params[0])})
+    return out
+
+
 def main() -> None:
     what = sys.argv[1]
-    out = {"tables": tables, "engines": engines, "experts": experts}[what]()
+    out = {"tables": tables, "engines": engines, "experts": experts, "sliced": sliced}[what]()
     out["devices"] = len(jax.devices())
     print(json.dumps(out))
 

@@ -74,6 +74,28 @@ def safetensors_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
+def check_shapes(files: dict[str, Path], wanted: dict[str, tuple[int, ...]]) -> None:
+    """Every wanted tensor present with its expected shape, from the file headers alone."""
+    missing = sorted(n for n in wanted if n not in files)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks tensor(s): {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="numpy") as f:
+                for name in names:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != wanted[name]:
+                        raise CheckpointError(f"{file.name}: tensor {name} has shape {shape}, expected {wanted[name]}")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file} is corrupt or truncated: {e}") from e
+
+
 def read_tensors(files: dict[str, Path], wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Read the wanted tensors (name -> expected shape in the file), checking every shape first."""
     missing = sorted(n for n in wanted if n not in files)
@@ -120,8 +142,43 @@ def check_packed_shapes(tensors: dict[str, np.ndarray], records: dict[str, tuple
             raise CheckpointError(f"tensor {name} records shape {got}; the model expects {expected}")
 
 
+class SliceReader:
+    """Reads one parameter's shard straight from the safetensors files: the block of the
+    parameter ``index`` names (slices in our layout), transposed from PyTorch's
+    ``[out, in]`` where the name map says so, experts stacked from their own tensors.
+    safetensors reads a slice from the memory-mapped file without reading the rest."""
+
+    def __init__(self, handles: dict, files: dict[str, Path], name, transpose: bool, dtype):
+        self.handles, self.files, self.transpose, self.dtype = handles, files, transpose, np.dtype(dtype)
+        self.names = name if isinstance(name, tuple) else (name,)
+        self.stacked = isinstance(name, tuple)
+
+    def _one(self, name: str, index: tuple) -> np.ndarray:
+        f = self.handles[self.files[name]]
+        idx = tuple(reversed(index)) if self.transpose else index
+        try:
+            arr = f.get_slice(name)[idx] if idx else f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{self.files[name]}: tensor {name} could not be read: {e}") from e
+        arr = np.asarray(arr)
+        if np.issubdtype(self.dtype, np.integer) and arr.dtype != self.dtype:
+            # Packed integer weights are bits, not values: a cast would corrupt them.
+            raise CheckpointError(f"tensor {name} has dtype {arr.dtype}; expected {self.dtype.name}")
+        return arr.T if self.transpose else arr
+
+    def __call__(self, index: tuple) -> np.ndarray:
+        index = tuple(index)
+        if self.stacked:
+            experts = range(len(self.names))[index[0]] if index else range(len(self.names))
+            arr = np.stack([self._one(self.names[e], index[1:]) for e in experts])
+        else:
+            arr = self._one(self.names[0], index)
+        return np.ascontiguousarray(arr, dtype=self.dtype)
+
+
 def load_model(
-    path: str | Path, *, dtype: str | jnp.dtype | None = None, config: ModelConfig | None = None
+    path: str | Path, *, dtype: str | jnp.dtype | None = None, config: ModelConfig | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> TargetModel:
     """Load a target model from a Hugging Face directory.
 
@@ -133,6 +190,11 @@ def load_model(
       path: directory with config.json and model.safetensors (or a sharded index).
       dtype: parameter dtype; default float32 on CPU, bfloat16 on GPU.
       config: override the config read from the directory (e.g. other feature layers).
+      mesh: a mesh of more than one device loads every parameter straight into the
+        sharding the target's rules give it on that mesh (``sharding.model_axis_rules``):
+        each device's block is read from the files on its own (``SliceReader``), so the
+        host never holds more than one block of one tensor, where the plain load holds
+        the whole checkpoint. A mesh the model cannot use is a ``ConfigError`` here.
     """
     path = Path(path)
     raw = read_config_json(path, "checkpoint")
@@ -148,7 +210,13 @@ def load_model(
         raise RuntimeError(f"no checkpoint name for model parameter(s) {unmapped}")
     wanted = checkpoint_shapes(names, {p: flat[p].shape for p in names})
     shape_records = packed_shape_records(wanted)
-    tensors = read_tensors(safetensors_files(path), {**wanted, **{n: (2,) for n in shape_records}})
+    files = safetensors_files(path)
+    if mesh is not None and mesh.size > 1:
+        model = _load_sliced(abstract, graphdef, flat, names, wanted, shape_records, files, mesh)
+        log.info("loaded %s (%s, %d layers, dtype %s) sliced onto mesh %s", path, cfg.architecture,
+                 cfg.num_hidden_layers, jnp.dtype(dtype).name, dict(mesh.shape))
+        return model
+    tensors = read_tensors(files, {**wanted, **{n: (2,) for n in shape_records}})
     check_packed_shapes(tensors, shape_records)
     for p, (name, transpose) in names.items():
         parts = [tensors[n].T if transpose else tensors[n] for n in (name if isinstance(name, tuple) else (name,))]
@@ -163,3 +231,32 @@ def load_model(
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     log.info("loaded %s (%s, %d layers, dtype %s)", path, cfg.architecture, cfg.num_hidden_layers, jnp.dtype(dtype).name)
     return model
+
+
+def _load_sliced(abstract, graphdef, flat, names, wanted, shape_records, files, mesh) -> TargetModel:
+    """``load_model`` onto a mesh: headers checked first, then every parameter built by
+    ``jax.make_array_from_callback`` from the blocks its sharding asks for."""
+    import contextlib
+
+    from jax.sharding import NamedSharding
+
+    from eagle_jax.sharding import model_axis_rules
+    from eagle_jax.target import partition_spec
+
+    rules = model_axis_rules(abstract.axis_sizes(), mesh, what="target")
+    check_shapes(files, wanted)
+    check_packed_shapes(read_tensors(files, {n: (2,) for n in shape_records}), shape_records)
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for file in sorted(set(files.values())):
+            try:
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file} is corrupt or truncated: {e}") from e
+        for p, (name, transpose) in names.items():
+            v = flat[p]
+            axes = v.get_metadata().get("logical_axes")
+            sharding = NamedSharding(mesh, partition_spec(tuple(axes), rules))
+            reader = SliceReader(handles, files, name, transpose, v.dtype)
+            v.set_value(jax.make_array_from_callback(tuple(v.shape), sharding, reader))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
