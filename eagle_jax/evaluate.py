@@ -226,6 +226,29 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def _cpu_flags() -> list[str]:
+    """The vector extensions the matrix products can use (two CPUs of one model name may
+    differ: a VM's "AMD EPYC" with AVX-512 and one with AVX2 only)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return []
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        if line.startswith(("flags", "Features")) and ":" in line:
+            have = set(line.split(":", 1)[1].split())
+            return [f for f in SIMD_FLAGS if f in have]
+    return []
+
+
+def _boot_id() -> str | None:
+    """Which boot of which machine took the figures: timings are comparable only within
+    one (two sessions' VMs of the same CPU model measured 37 and 17 tok/s plain)."""
+    f = Path("/proc/sys/kernel/random/boot_id")
+    return f.read_text().strip() if f.is_file() else None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -252,6 +275,8 @@ def environment(dtype: str) -> dict[str, Any]:
         "jax_backend": jax.default_backend(),
         "devices": [f"{d.platform}:{d.device_kind}" for d in jax.devices()],
         "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "boot_id": _boot_id(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "env": {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES") if k in os.environ},

@@ -80,6 +80,7 @@ def test_tiny_sweep_writes_lines_table_and_plot_and_reproduces(tiny, tmp_path):
     for rec in lines:
         env = rec["fingerprint"]
         assert env["packages"]["jax"] and env["cpu"] and env["devices"] and env["dtype"] == "float32"
+        assert env["boot_id"] and isinstance(env["cpu_flags"], list)  # which machine, which vector units
         assert "commit" in env["git"] or "error" in env["git"]
         assert rec["config_sha256"] == ablate.load_config(f).sha256
         res = rec["result"]
