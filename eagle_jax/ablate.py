@@ -432,6 +432,12 @@ def run_sweep(sweep: Sweep, out: Path, log=print, runner: Runner | None = None) 
     lines = out / "points.jsonl"
     done = read_done(lines, sweep.sha256)
     todo = [p for p in sweep.points if p.key not in done]
+    from eagle_jax.evaluate import _boot_id
+
+    others = {_machine(r) for r in done.values()} - {_boot_id() or "unrecorded"}
+    if others and todo:
+        log(f"ablation {sweep.name}: {len(done)} points in {lines} were taken on another machine or boot; "
+            "their tokens/s will not compare with the new points' (the summary marks each point's machine)")
     log(f"ablation {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} already in {lines}, "
         f"{len(todo)} to run")
     runner = runner or Runner(log)
@@ -499,9 +505,27 @@ def markdown(sweep: Sweep, records: list[dict]) -> str:
         rows.append("| " + " | ".join(cells) + " |")
     fixed = ", ".join(f"{k}={v}" for k, v in sweep.fixed.items())
     env = records[0]["fingerprint"] if records else {}
+    machines = list(dict.fromkeys(_machine(r) for r in records))
+    if len(machines) > 1:
+        # A sweep resumed on another machine (or boot): its speedups are each measured
+        # within one point, but compare across rows only within one machine.
+        head.append("machine")
+        rows[0] = "| " + " | ".join(head) + " |"
+        rows[1] = "|" + "---|" * len(head)
+        for i, r in enumerate(records):
+            rows[2 + i] = rows[2 + i] + f" m{machines.index(_machine(r)) + 1} |"
     return (f"# Ablation: {sweep.name}\n\nFixed: {fixed or '(none)'}. Config SHA-256 {sweep.sha256[:16]}; "
             f"git {env.get('git', {}).get('commit', '?')}; {env.get('cpu', '?')}; tokens/s are medians over "
-            f"interleaved passes.\n\n" + "\n".join(rows) + "\n")
+            f"interleaved passes.\n\n"
+            + (f"Points from {len(machines)} machines or boots (column machine; boot ids "
+               + ", ".join(f"m{i + 1} {m[:8]}" for i, m in enumerate(machines))
+               + "): accept lengths compare across them, tokens/s and speedups only within one.\n\n"
+               if len(machines) > 1 else "")
+            + "\n".join(rows) + "\n")
+
+
+def _machine(record: dict) -> str:
+    return record.get("fingerprint", {}).get("boot_id") or "unrecorded"
 
 
 def save_plots(sweep: Sweep, records: list[dict], path: Path) -> None:

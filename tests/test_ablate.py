@@ -189,3 +189,18 @@ def test_a_sweep_over_suites_builds_engines_for_each_suites_lengths(tiny, tmp_pa
     recs = ablate.run_sweep(ablate.load_config(f), tmp_path / "o", log=lambda m: None)
     assert [r["result"]["prompts"] for r in recs] == [2, 1]
     assert all(r["result"]["identical_to_plain"] is True for r in recs)
+
+
+def test_a_summary_marks_points_from_other_machines(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text('name = "m"\ndraft = "d"\n[grid]\nsteps = [1, 2]\n')
+    sweep = ablate.load_config(f)
+    spread = {"median": 10.0, "min": 10.0, "max": 10.0, "runs": [10.0]}
+    recs = [{"point": p.values, "fingerprint": {"boot_id": boot},
+             "result": {"plain": spread, "speculative": spread, "speedup": 1.0, "mean_accept_length": 1.2}}
+            for p, boot in zip(sweep.points, ("aaaaaaaa-1", "bbbbbbbb-2"))]
+    table = ablate.markdown(sweep, recs)
+    assert "Points from 2 machines or boots" in table and "m1 aaaaaaaa, m2 bbbbbbbb" in table
+    assert "| machine |" in table and table.rstrip().endswith("| m2 |")
+    one = ablate.markdown(sweep, [recs[0], dict(recs[1], fingerprint={"boot_id": "aaaaaaaa-1"})])
+    assert "machine" not in one
