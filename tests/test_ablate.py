@@ -178,6 +178,7 @@ def test_policy_points_say_what_ran(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # ~22 s
 def test_a_sweep_over_suites_builds_engines_for_each_suites_lengths(tiny, tmp_path):
     """Engines are reused only for the same cache and prompt buckets: a longer suite after
     a short one once met the short suite's plain engine ('max_seq_len=... leaves no room')."""
