@@ -60,6 +60,7 @@ from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.spec_config import SpeculativeConfig, parse_shape
 
 POLICIES = ("fixed", "threshold", "auto")
+MAX_DEPTH_LINES = 10  # acceptance-by-depth lines drawn one per point up to this many
 VERIFY = ("coupled", "rejection")
 WARMUP_TOKENS = 4
 
@@ -588,14 +589,30 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path) -> None:
             ax.set_xlabel("batch size")
             ax.set_ylabel("tokens/s (median)")
         else:
+            # One line per point while the legend stays readable; past that, one colour per
+            # group (the grid's other fields) and a line style per shape kind.
+            many = len(spec) > MAX_DEPTH_LINES
+            colours: dict = {}
             for r in spec:
                 rates = r["result"].get("acceptance_rate_by_depth") or []
-                ax.plot(range(1, len(rates) + 1), rates, "o-", label=_label(r["point"], sweep))
+                if many:
+                    g = group(r)
+                    first = g not in colours
+                    c = colours.setdefault(g, f"C{len(colours) % 10}")
+                    ax.plot(range(1, len(rates) + 1), rates, "-" if _topk(r) == 1 else "--", color=c, alpha=0.7,
+                            marker=".", label=g if first else None)
+                else:
+                    ax.plot(range(1, len(rates) + 1), rates, "o-", label=_label(r["point"], sweep))
+            if many:
+                ax.set_title("solid: chains, dashed: trees", fontsize=7)
             ax.set_xlabel("draft depth")
-            ax.set_ylabel("acceptance rate")
+            ax.set_ylabel("share of steps accepting depth d")
             ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        # Below the axes: a legend inside would cover the lines of a large sweep.
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    legend_rows = max((len(ax.get_legend_handles_labels()[1]) + 1) // 2 for ax in axes[0])
+    fig.set_size_inches(fig.get_size_inches()[0], 4 + 0.14 * legend_rows)
     fig.suptitle(f"eagle-jax ablate: {sweep.name}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
