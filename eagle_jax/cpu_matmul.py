@@ -50,7 +50,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")
 SOURCES = (SOURCE, ATTENTION_SOURCE)
 TARGET = "eagle_packed_matmul"
 ATTENTION_TARGET = "eagle_prefix_attention"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 MODES = ("auto", "packed", "xla")
 
 
@@ -70,6 +70,16 @@ def _cache_dir() -> Path:
     return Path(root) / "cpu_matmul"
 
 
+def march() -> str:
+    """The ``-march`` the kernels are built for: ``native`` (the CPU at hand), or
+    ``EAGLE_JAX_CPU_MARCH`` (e.g. ``haswell`` builds the AVX2 code on an AVX-512 machine,
+    ``x86-64`` the generic-vector code: how the tests check every code path on one CPU)."""
+    m = os.environ.get("EAGLE_JAX_CPU_MARCH", "native")
+    if not m or not all(c.isalnum() or c in "-_." for c in m):
+        raise ConfigError(f"EAGLE_JAX_CPU_MARCH={m!r} is not a -march value")
+    return m
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
@@ -87,19 +97,20 @@ def _load() -> tuple[int | None, str, Path | None]:
     if cxx is None:
         return None, "no C++ compiler found (set CXX)", None
     include = jax.ffi.include_dir()
+    flags = (*FLAGS, f"-march={march()}")
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}", None
     key = hashlib.sha256(
-        "\0".join([*(f.read_text() for f in SOURCES), cxx, version, " ".join(FLAGS), include, jax.__version__, _cpu_signature()]).encode()
+        "\0".join([*(f.read_text() for f in SOURCES), cxx, version, " ".join(flags), include, jax.__version__, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     lib_path = _cache_dir() / f"libeagle_cpu_matmul-{key}.so"
     if not lib_path.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
         os.close(fd)
-        cmd = [cxx, *FLAGS, "-I", include, *map(str, SOURCES), "-o", tmp]
+        cmd = [cxx, *flags, "-I", include, *map(str, SOURCES), "-o", tmp]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
@@ -113,7 +124,8 @@ def _load() -> tuple[int | None, str, Path | None]:
     nb = int(lib.eagle_packed_matmul_nb())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.eagle_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefix_attention), platform="cpu")
-    isa = "AVX-512" if nb == 64 else "AVX2" if nb == 16 else f"{nb}-column panels"
+    lib.eagle_packed_matmul_isa.restype = ctypes.c_char_p
+    isa = lib.eagle_packed_matmul_isa().decode()
     return nb, f"packed-weight CPU kernel ({isa}, {nb}-column panels)", lib_path
 
 

@@ -7,6 +7,11 @@ weights."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +26,10 @@ def test_builds_and_reports():
     assert use, line
     assert "packed-weight CPU kernel" in line
     assert cpu_matmul.panel_width() in (16, 64)
+    flags = set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
+    if cpu_matmul.march() == "native":  # the code path is the best one this CPU has
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else "generic vectors"
+        assert f"({isa}, " in line, line
     assert cpu_matmul.status("gpu") == (False, "XLA dot (gpu)")
 
 
@@ -102,3 +111,33 @@ def test_packed_model_matches_unpacked():
     got = [np.asarray(a) for a in run(packed.params)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_every_code_path_passes_the_kernel_tests(march, tmp_path):
+    """The AVX2 build (``haswell``) and the generic-vector build (``x86-64``) of both
+    kernels pass this file's and the attention kernel's tests: a CPU of each kind runs
+    code this machine has checked, not only the path ``-march=native`` picks here."""
+    flags = set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
+    if march == "haswell" and not {"avx2", "fma"} <= flags:
+        pytest.fail("this CPU cannot run the AVX2 build; the test needs one that can")
+    here = Path(__file__).parent
+    env = {**os.environ, "EAGLE_JAX_CPU_MARCH": march, "EAGLE_JAX_CACHE": str(tmp_path), "EAGLE_JAX_CPU_MATMUL": "packed"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         str(here / "test_cpu_matmul.py"), str(here / "test_cpu_attention.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
+    want = {"haswell": "(AVX2, 16-column panels)", "x86-64": "(generic vectors, 16-column panels)"}[march]
+    code = "from eagle_jax import cpu_matmul; print(cpu_matmul.status('cpu')[1])"
+    line = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300).stdout
+    assert want in line, line
+
+
+def test_march_env_is_checked(monkeypatch):
+    monkeypatch.setenv("EAGLE_JAX_CPU_MARCH", "native; rm -rf /")
+    with pytest.raises(ConfigError, match="EAGLE_JAX_CPU_MARCH"):
+        cpu_matmul.march()
