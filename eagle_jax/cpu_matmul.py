@@ -7,13 +7,14 @@ matrix. XLA:CPU's GEMM re-packs the weights on each call, so those few rows cost
 a one-row decode step although both only need to stream the weights once. With the
 weights packed once into column panels (``pack``), ``packed_matmul`` streams each panel
 once while the rows accumulate in registers. SmolLM2's body products alone
-(``scripts/ab_cpu_matmul.sh``, ``results/cpu-matmul-ab/``, 2-core Xeon, AVX-512): XLA
-23.2 ms on 1 row and 45.4 / 43.0 on 6 (two rounds), packed 19.4 and 30.8 / 34.3. At a
-few rows the kernel is bound by its multiply-adds, not by memory.
+(``scripts/ab_cpu_matmul.sh``, ``results/cpu-matmul-ab/``, 2-core Xeon with AVX-512, two
+rounds): XLA 19.0 / 20.0 ms on 1 row and 35.1 / 36.9 on 6, packed 16.8 / 17.3 and
+18.4 / 19.1: six rows cost 1.1x one row (XLA: 1.85x), about the time of streaming the
+weights once from memory.
 
 The kernel is compiled on first use with the system C++ compiler and ``-march=native``
-(AVX-512 or AVX2 code for the CPU at hand), cached by a hash of the source, compiler,
-flags and CPU, and registered as an FFI target. ``status()`` says whether it is
+(AVX-512 or AVX2 intrinsics for the CPU at hand, generic vectors elsewhere; ``march``),
+cached by a hash of the source, compiler, flags and CPU, and registered as an FFI target. ``status()`` says whether it is
 available and, if not, why (no compiler, a build error); the engine's start-up line
 prints it. ``EAGLE_JAX_CPU_MATMUL=xla`` switches it off (XLA's own dot everywhere),
 ``=packed`` makes a failed build an error instead of a fallback.
