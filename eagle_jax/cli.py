@@ -103,8 +103,17 @@ def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
         "--mesh", default="data=1,model=1", metavar="data=D,model=M",
         help="device mesh: D engine batch shards times M tensor-parallel shards of the target (heads, MLP, "
              "vocabulary; the draft is replicated); a mixture-of-experts target also takes expert=E (its routed "
-             "experts split E ways: data=D,expert=E,model=M); 'auto' puts every local device on model "
+             "experts split E ways: data=D,expert=E,model=M); 'auto' puts every device (of every process) on model "
              "(default data=1,model=1)")
+    # Several hosts: every process runs the same command (same prompts, same flags); the
+    # mesh spans the devices of all of them; process 0 writes the output.
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="multi-process run: address of process 0's coordinator (or 'auto': detect a SLURM / "
+                             "Open MPI cluster); default JAX_COORDINATOR_ADDRESS, else a single process")
+    parser.add_argument("--num-processes", type=int, default=None, metavar="N",
+                        help="multi-process run: number of processes (default JAX_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, default=None, metavar="I",
+                        help="multi-process run: this process's index, 0..N-1 (default JAX_PROCESS_ID)")
 
 
 def _load_records(args):
@@ -159,16 +168,25 @@ def _policy_lines(summary: dict) -> list[str]:
 
 
 def cmd_generate(args) -> int:
+    import jax
+
     from eagle_jax.config import ModelConfig
     from eagle_jax.engine import Engine, EngineConfig
     from eagle_jax.policy import parse_shapes
     from eagle_jax.sampling import SamplingParams
+    from eagle_jax.sharding import initialize_distributed
     from eagle_jax.speculative import SpeculativeConfig
     from eagle_jax.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
     if not model_dir.is_dir():
         raise InputError(f"model directory {model_dir} not found (run `make model`, or pass --model DIR)")
+    # Before anything touches a device. Every process then runs this same command; only
+    # process 0 writes what it generated (the others' copies are the same tokens).
+    distributed = initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    if distributed is not None:
+        log.info("distributed run: %s", distributed)
+    lead = distributed is None or jax.process_index() == 0
     records = _load_records(args)
     base = SamplingParams(
         temperature=args.temperature,
@@ -241,8 +259,11 @@ def cmd_generate(args) -> int:
     params = [SamplingParams(**{**base.__dict__, "seed": (base.seed + i) % 2**32}) for i in range(len(records))]
     if args.output is None and len(records) == 1:
         for delta in engine.stream(prompts[0], params[0]):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+            if lead:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        if not lead:
+            return 0
         print()
         summary = engine.metrics.summary()
         if args.verbose:
@@ -259,6 +280,8 @@ def cmd_generate(args) -> int:
     if args.verbose:
         for line in _policy_lines(engine.metrics.summary()):
             log.info(line)
+    if not lead:
+        return 0
     if config.time_phases:
         print(f"[{_phase_figures(engine.metrics.summary())}]", file=sys.stderr)
     if args.output is None:

@@ -61,7 +61,7 @@ from eagle_jax.policy import (
 from eagle_jax.requests import RequestProgress, check_prompt
 from eagle_jax.runtime import StepTable
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh
+from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
 from eagle_jax.spec_config import SpeculativeConfig
 from eagle_jax.target import TargetModel
 
@@ -144,7 +144,7 @@ class EngineConfig:
       cache_align: round the target cache up to a multiple of this many slots (default:
         64 on GPUs, the tree-attention kernel's block, so the kernel applies; 1 on CPU).
       mesh: the device mesh, ``(data, model)`` or ``(data, expert, model)`` sizes, ``"data=D,model=M"`` (optionally ``expert=E``) or ``"auto"``
-        (every local device on ``model``); held as ``(D, M)`` or ``"auto"``. ``model``
+        (every device, of every process, on ``model``); held as ``(D, M)`` or ``"auto"``. ``model``
         splits the target's heads, MLP width and vocabulary (tensor parallelism; KV heads
         that do not divide it are replicated), ``data`` the batch rows of one engine: a
         batch bucket that is a multiple of ``data`` is split over it, others run
@@ -924,6 +924,13 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         raise ConfigError("draft_hook and hook_width go together")
     target_path = target
     mesh = make_mesh(config.mesh)  # before loading: too few devices fails fast
+    if spans_processes(mesh) and getattr(policy, "uses_timings", False):
+        # Each process would time its own steps and could pick another graph than the
+        # others, and the processes' collectives would then wait on each other for good.
+        raise ConfigError(
+            f"policy {type(policy).__name__} decides from measured step times, which differ between the "
+            f"{jax.process_count()} processes of this run; use a fixed or threshold policy across processes"
+        )
     target, draft = _load(target, draft, config.dtype, mesh)
     if draft is not None:
         check_compatible(draft.config, target.config)
@@ -987,6 +994,8 @@ def _mesh_note(table: StepTable) -> str:
     """The mesh, its devices, and what the rules did that a reader would not guess."""
     mesh = table.mesh
     note = f"mesh {describe_mesh(mesh)} over {[str(d) for d in mesh.devices.flat]}"
+    if table.multi_process:
+        note += f" (process {jax.process_index()} of {jax.process_count()}; tokens read back replicated)"
     if mesh.shape["model"] > 1:
         kv = table.target.axis_sizes()["kv_heads"]
         note += (f" (KV heads: {kv}, replicated over model={mesh.shape['model']})" if table.rules["kv_heads"] is None

@@ -53,6 +53,9 @@ class SpeculationPolicy(Protocol):
     #     its seconds; the returned line goes into the start-up log.
     #   predicted_tokens_per_second(bucket, shape) -> float | None: what the policy
     #     expects ``shape`` to deliver in a full ``bucket`` (reported beside the measured).
+    #   uses_timings: bool (absent: False): whether choose() depends on measured step
+    #     times. The engine refuses such a policy on a mesh over several processes (each
+    #     would measure its own and could launch another graph than the others).
 
 
 class PlainPolicy:
@@ -258,6 +261,7 @@ class AutoPolicy:
     """
 
     runs_plain = True
+    uses_timings = True
 
     def __init__(
         self, shapes: Sequence[SpeculativeConfig], *, prior: Sequence[float] | None = None, prior_weight: float = 16.0,

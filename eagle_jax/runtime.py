@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax import cpu_matmul
 from eagle_jax.draft import Eagle3Draft
@@ -60,7 +60,7 @@ from eagle_jax.speculative import (
     state_spec,
     verify_phase_impl,
 )
-from eagle_jax.sharding import batch_rules, model_axis_rules, replicated_rules
+from eagle_jax.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
 from eagle_jax.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ class StepTable:
         self.check_finite, self.time_phases = check_finite, time_phases
         self.tree_hook, self.hook_width = tree_hook, hook_width
         self.mesh = mesh or default_mesh()
+        self.multi_process = spans_processes(self.mesh)
         self.backend = jax.default_backend()
         # The Pallas kernels (verify, sampling, tree attention) are custom calls, which
         # GSPMD cannot partition; until they run under shard_map a sharded table runs
@@ -215,6 +216,14 @@ class StepTable:
     def _batch_sharding(self, b: int, ndim: int) -> NamedSharding:
         """Arrays of ``b`` rows (axis 0): rows on "data" when it divides ``b`` (``sharding.batch_rules``)."""
         return NamedSharding(self.mesh, partition_spec(("batch",) + (None,) * (ndim - 1), batch_rules(self.rules, self.mesh, b)))
+
+    def _host_sharding(self, b: int, ndim: int) -> NamedSharding:
+        """What the host loop reads back (tokens, accept lengths, finite flags): rows on
+        "data" like the state, except on a mesh over several processes, where it is
+        replicated so that every process can read every row (a small all-gather)."""
+        if self.multi_process:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return self._batch_sharding(b, ndim)
 
     def state_shardings(self, b: int) -> SpecState:
         """The sharding of every leaf of a ``b``-row state, from its logical axes: the
@@ -281,8 +290,8 @@ class StepTable:
         """(name, key, compile thunk) for every graph."""
         jobs = []
         psh = self.param_shardings
-        bsh = self._batch_sharding
-        fin = (lambda b: bsh(b, 1)) if self.check_finite else (lambda b: None)
+        bsh, hsh = self._batch_sharding, self._host_sharding
+        fin = (lambda b: hsh(b, 1)) if self.check_finite else (lambda b: None)
         hook = self.tree_hook
 
         for p in self.prompt_buckets:
@@ -298,7 +307,7 @@ class StepTable:
                 hd = self._int_struct(n, self.hook_width) if self.hook_width else None
                 args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n), hd)
                 in_sh = (psh, bsh(n, 2), bsh(n, 1), self._samp_shardings(n), None if hd is None else bsh(n, 2))
-                jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, bsh(n, 1)), (), args)))
+                jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, hsh(n, 1)), (), args)))
 
         for b in self.batch_buckets:
             st, sh = self._structs(b)
@@ -341,7 +350,7 @@ class StepTable:
                 for greedy in (True, False) if self.sampled else (True,):
                     how = "greedy" if greedy else "sampled"
                     kw = dict(greedy_only=greedy, max_seq_len=self.max_seq_len)
-                    outs = (sh, bsh(b, 2), bsh(b, 1), fin(b))
+                    outs = (sh, hsh(b, 2), hsh(b, 1), fin(b))
                     if shape is None:
                         def plain(params, state, samp, kw=kw):
                             t, d = self._modules(params)

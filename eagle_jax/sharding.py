@@ -22,6 +22,14 @@ model's sizes divide the axes the rules put them on:
   same rows: correct, and no faster than ``data=1``). Batch buckets that are multiples
   of ``data`` are the ones that use it.
 
+Several hosts (``initialize_distributed``): JAX's multi-controller runtime. Every process
+runs the same program (the same engine, host loop and requests); the mesh is built over
+the devices of all of them (``jax.devices()``), each process loads only the slices its
+own devices hold, and what the host loop reads back (tokens, accept lengths) is
+replicated, so every process sees all rows. Decisions the host loop takes must be the
+same in every process: a policy that decides from measured step times is refused there
+(each process would measure its own).
+
 The mesh's axes are ``AxisType.Auto`` (GSPMD propagates shardings from the pinned
 inputs and outputs of each compiled step); ``jax.make_mesh`` defaults to Explicit axes,
 under which every ambiguous product would need an ``out_sharding`` in the model code.
@@ -29,7 +37,9 @@ under which every ambiguous product would need an ``out_sharding`` in the model 
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import re
 from typing import Mapping
 
@@ -39,9 +49,11 @@ from jax.sharding import AxisType, Mesh
 from eagle_jax.errors import ConfigError
 from eagle_jax.target import DEFAULT_AXIS_RULES
 
+log = logging.getLogger(__name__)
+
 MESH_AXES = ("data", "expert", "model")
 # What EngineConfig.mesh holds after validation: (data, model) when expert is 1,
-# (data, expert, model) otherwise, or "auto" (every local device on model, resolved when
+# (data, expert, model) otherwise, or "auto" (every device on model, resolved when
 # the mesh is built).
 MeshShape = tuple[int, int] | tuple[int, int, int] | str
 
@@ -93,10 +105,66 @@ def describe_mesh(mesh: Mesh) -> str:
     return f"data={mesh.shape['data']}," + (f"expert={expert}," if expert > 1 else "") + f"model={mesh.shape['model']}"
 
 
+# The environment variables ``initialize_distributed`` reads where no flag is given (JAX
+# itself reads JAX_COORDINATOR_ADDRESS, and detects SLURM, Open MPI and other clusters).
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> str | None:
+    """Join this process to a multi-process JAX runtime (``jax.distributed.initialize``),
+    from the arguments (the CLI's ``--coordinator``, ``--num-processes``, ``--process-id``)
+    or else ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
+
+    Nothing given: a single process, nothing is initialized, returns None. Some given and
+    others missing: a ``ConfigError`` naming them. ``coordinator="auto"`` lets JAX's
+    cluster detection (SLURM, Open MPI, ...) fill in all three. On CPUs the collectives
+    between processes run over gloo. Must run before anything touches a device. Returns
+    a line for the log."""
+    env = {k: os.environ.get(k) for k in DISTRIBUTED_ENV}
+    coordinator = coordinator or env["JAX_COORDINATOR_ADDRESS"]
+    try:
+        num_processes = num_processes if num_processes is not None else (
+            int(env["JAX_NUM_PROCESSES"]) if env["JAX_NUM_PROCESSES"] else None)
+        process_id = process_id if process_id is not None else (
+            int(env["JAX_PROCESS_ID"]) if env["JAX_PROCESS_ID"] else None)
+    except ValueError as e:
+        raise ConfigError(f"JAX_NUM_PROCESSES / JAX_PROCESS_ID must be integers: {e}") from None
+    if coordinator is None and num_processes is None and process_id is None:
+        return None
+    kwargs = {}
+    if coordinator != "auto":  # "auto": JAX's cluster detection (SLURM, Open MPI, ...) fills every value in
+        missing = [n for n, v in (("coordinator address", coordinator), ("number of processes", num_processes),
+                                  ("process id", process_id)) if v is None]
+        if missing:
+            raise ConfigError(
+                f"multi-process run: {', '.join(missing)} missing (flags --coordinator HOST:PORT --num-processes N "
+                f"--process-id I, or {', '.join(DISTRIBUTED_ENV)}; --coordinator auto detects a cluster)"
+            )
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ConfigError(f"process id {process_id} of {num_processes} processes: need 0 <= id < processes >= 1")
+        kwargs = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    # Which collectives a CPU process uses is fixed before the backend starts: gloo, the
+    # implementation that runs over TCP on any host (it is ignored by GPU backends).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+    line = (f"process {jax.process_index()} of {jax.process_count()} (coordinator {coordinator}); "
+            f"{jax.local_device_count()} local of {jax.device_count()} devices")
+    log.info("distributed: %s", line)
+    return line
+
+
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether ``mesh`` holds devices of more than one process."""
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
 def make_mesh(shape: MeshShape, devices=None) -> Mesh:
     """The ``(data, expert, model)`` mesh over the first ``D * E * M`` of ``devices``
-    (default: the local devices); ``"auto"`` puts every one of them on ``model``."""
-    devices = list(jax.local_devices() if devices is None else devices)
+    (default: every device of every process, ``jax.devices()``; one process: its local
+    devices); ``"auto"`` puts every one of them on ``model``. In a multi-process run the
+    mesh must hold devices of every process (each runs the same steps)."""
+    devices = list(jax.devices() if devices is None else devices)
     shape = check_mesh_shape(shape)
     sizes = (1, 1, len(devices)) if shape == "auto" else mesh_sizes(shape)
     need = math.prod(sizes)
@@ -106,6 +174,14 @@ def make_mesh(shape: MeshShape, devices=None) -> Mesh:
             f"mesh {named} needs {need} devices; {len(devices)} "
             f"{'is' if len(devices) == 1 else 'are'} available ({devices[0].platform})"
         )
+    if jax.process_count() > 1:
+        used = {d.process_index for d in devices[:need]}
+        if len(used) < jax.process_count():
+            raise ConfigError(
+                f"mesh of {need} devices uses processes {sorted(used)} of {jax.process_count()}: every process runs "
+                f"the same steps, so the mesh needs devices of each ({jax.device_count()} devices in all, "
+                f"{jax.local_device_count()} per process here)"
+            )
     # Auto axes: see the module docstring.
     return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:need])
 

@@ -199,6 +199,46 @@ def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tmp_path, tiny_tp
     assert all(len(t) == 8 for t in rows["data=1,model=1"])
 
 
+@pytest.mark.slow
+def test_generate_across_two_processes_matches_one(tmp_path, tiny_tp_model):
+    """``--coordinator/--num-processes/--process-id``: two processes of one CPU device
+    each (gloo on loopback), one model=2 mesh over both; process 0 writes the output,
+    process 1 writes nothing; the tokens are the single-process run's."""
+    import socket
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["w5 w6 w7", "w9 w3 w11 w40 w8"])))
+    one = tmp_path / "one.jsonl"
+    r = _run_devices(1, "generate", "--model", tiny_tp_model, "--prompt-file", f, "--max-new-tokens", "8",
+                     "--no-speculation", "--output", one)
+    assert r.returncode == 0, r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "eagle_jax.cli", "generate", "--model", str(tiny_tp_model), "--prompt-file", str(f),
+         "--max-new-tokens", "8", "--no-speculation", "--mesh", "data=1,model=2", "--output", str(tmp_path / f"{i}.jsonl"),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    errs = []
+    for q in procs:
+        try:
+            errs.append(q.communicate(timeout=300)[1])
+        except subprocess.TimeoutExpired:
+            for k in procs:
+                k.kill()
+            raise
+        assert q.returncode == 0, errs[-1][-3000:]
+    assert "(process 0 of 2; tokens read back replicated)" in errs[0]
+    assert "(process 1 of 2; tokens read back replicated)" in errs[1]
+    assert not (tmp_path / "1.jsonl").exists()
+    got = [json.loads(x)["token_ids"] for x in (tmp_path / "0.jsonl").read_text().splitlines()]
+    assert got == [json.loads(x)["token_ids"] for x in one.read_text().splitlines()]
+    assert all(len(t) == 8 for t in got)
+
+
 def test_generate_with_a_mesh_larger_than_the_machine_is_a_clear_error(tiny_tp_model):
     r = _run_devices(2, "generate", "--model", tiny_tp_model, "--prompt", "w5 w6", "--no-speculation",
                      "--mesh", "data=2,model=2")
