@@ -529,9 +529,10 @@ def _machine(record: dict) -> str:
     return record.get("fingerprint", {}).get("boot_id") or "unrecorded"
 
 
-def save_plots(sweep: Sweep, records: list[dict], path: Path) -> None:
+def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, ...] | None = None) -> None:
     """Accept length against steps (per topk), tokens/s against batch size (per setting,
-    plain included), acceptance by depth per point: the panels the grid has data for."""
+    plain included), acceptance by depth per point: the panels the grid has data for
+    (``only``: those of "accept", "batch", "depth" named)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -545,6 +546,8 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path) -> None:
         panels.append("batch")
     if spec:
         panels.append("depth")
+    if only is not None:
+        panels = [x for x in panels if x in only]
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4), squeeze=False)
     others = [k for k in sweep.grid if k not in ("steps", "shape", "batch_size")]
 
@@ -569,8 +572,10 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path) -> None:
                 # Plain is measured beside every point: its line is the median of those runs.
                 plain.setdefault(f"plain ({group(r, ('policy',))})", {}).setdefault(b, []).append(res["plain"]["median"])
                 if "speedup" in res:
-                    setting = r["point"].get("shape") or f"steps={r['point'].get('steps')}"
-                    series.setdefault(f"{r['point']['policy']} {setting} ({group(r, ('policy',))})", {})[b] = \
+                    pt = r["point"]
+                    # auto names no shape (it picks among its own candidates)
+                    setting = pt.get("shape") or (f"steps={pt['steps']}" if pt.get("steps") else "")
+                    series.setdefault(f"{pt['policy']} {setting}".strip() + f" ({group(r, ('policy',))})", {})[b] = \
                         res["speculative"]["median"]
             for name, pts in plain.items():
                 xs = sorted(pts)

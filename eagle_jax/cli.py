@@ -105,6 +105,8 @@ def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
              "vocabulary; the draft is replicated); a mixture-of-experts target also takes expert=E (its routed "
              "experts split E ways: data=D,expert=E,model=M); 'auto' puts every device (of every process) on model "
              "(default data=1,model=1)")
+    parser.add_argument("--draft-sharding", choices=("replicated", "model"), default="replicated",
+                        help="the draft on a mesh: whole on every device (default) or split over model like the target")
     # Several hosts: every process runs the same command (same prompts, same flags); the
     # mesh spans the devices of all of them; process 0 writes the output.
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -253,6 +255,7 @@ def cmd_generate(args) -> int:
         sampled_steps=args.temperature > 0,
         time_phases=args.time_phases and spec is not None,
         mesh=args.mesh,
+        draft_sharding=args.draft_sharding,
     )
     enable_compilation_cache()
     engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())

@@ -290,6 +290,13 @@ class Eagle3Draft(nnx.Module):
         self.d2t = Buffer(jnp.zeros((vd,), jnp.int32), logical_axes=("draft_vocab",))
         self.t2d = Buffer(jnp.arange(v) < vd, logical_axes=("vocab",))
 
+    def axis_sizes(self) -> dict[str, int]:
+        """What each logical axis the draft may split counts (``draft_sharding="model"``;
+        an MLA layer's heads are mirrored in ``num_attention_heads``)."""
+        cfg = self.config
+        return {"heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "mlp": cfg.intermediate_size,
+                "vocab": cfg.vocab_size, "draft_vocab": cfg.draft_vocab_size}
+
     def fuse(self, features: Float[Array, "B T F"]) -> Float[Array, "B T H"]:
         """Project the concatenated target features (``F = len(aux) * Ht``) to the draft width."""
         return self.fc(features)

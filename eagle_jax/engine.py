@@ -148,9 +148,12 @@ class EngineConfig:
         splits the target's heads, MLP width and vocabulary (tensor parallelism; KV heads
         that do not divide it are replicated), ``data`` the batch rows of one engine: a
         batch bucket that is a multiple of ``data`` is split over it, others run
-        replicated (see ``eagle_jax.sharding``). The draft runs replicated over
-        ``model``. Under more than one device the Pallas and CPU FFI kernels are off
-        (their XLA references run; the start-up line says so).
+        replicated (see ``eagle_jax.sharding``). Under more than one device the Pallas
+        kernels run under shard_map (``eagle_jax.sharded_kernels``) and the CPU FFI
+        kernels are off (the start-up line says so).
+      draft_sharding: "replicated" (default: the draft whole on every device, its rows
+        on ``data``) or "model" (its heads, MLP width and vocabularies split over
+        ``model``; its sizes must divide it). ``scripts/bench_draft_sharding.py`` times both.
     """
 
     max_batch: int = 8
@@ -172,6 +175,7 @@ class EngineConfig:
     sampled_steps: bool = True
     cache_align: int | None = None
     mesh: tuple[int, int] | tuple[int, int, int] | str = (1, 1)
+    draft_sharding: str = "replicated"
 
     def __post_init__(self):
         def positive_int(name):
@@ -205,6 +209,8 @@ class EngineConfig:
             raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
         if t is not None and self.speculative is None:
             raise ConfigError("spec_disable_batch_threshold is set but speculative is None (nothing to switch off)")
+        if self.draft_sharding not in ("replicated", "model"):
+            raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: replicated, model")
         if self.spec_policy not in ("threshold", "auto"):
             raise ConfigError(f"spec_policy={self.spec_policy!r}; valid: threshold, auto")
         if self.spec_policy == "auto":
@@ -951,6 +957,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         prefill_token_budget=config.prefill_token_budget, kernel_impl=config.kernel_impl,
         check_finite=config.detect_nan, time_phases=config.time_phases, tree_hook=draft_hook, hook_width=hook_width,
         plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align, mesh=mesh,
+        draft_sharding=config.draft_sharding,
     )
     report = table.build(progress)
     calibrate = getattr(policy, "calibrate", None)
@@ -1000,7 +1007,8 @@ def _mesh_note(table: StepTable) -> str:
         kv = table.target.axis_sizes()["kv_heads"]
         note += (f" (KV heads: {kv}, replicated over model={mesh.shape['model']})" if table.rules["kv_heads"] is None
                  else f" (KV heads: {kv} split over model)")
-        note += "; draft replicated over model" if table.draft is not None else ""
+        note += f"; draft {'split over' if table.draft_sharding == 'model' else 'replicated over'} model" \
+            if table.draft is not None else ""
     shards = mesh.shape.get("expert", 1)
     if shards > 1:
         e = table.target.axis_sizes()["experts"]

@@ -32,7 +32,7 @@ from eagle_jax.cpu_matmul import matmul, pack_params, packed_matmul
 from eagle_jax.cpu_matmul import prefix_attention_state as cpu_prefix_attention_state
 from eagle_jax.cpu_matmul import prefix_attention_supported as cpu_prefix_attention_supported
 from eagle_jax.target import ArraySpec, TargetFamily, register_target
-from pallas_kernels.tree_attention import tree_attention
+from eagle_jax.sharded_kernels import shard_tree_attention
 
 # ----------------------------------------------------------------------------- KV cache
 
@@ -415,7 +415,7 @@ class Attention(nnx.Module):
         k_cache, v_cache = write_rows(k_cache, cache_slots, k), write_rows(v_cache, cache_slots, v)
         scale = 1.0 / math.sqrt(self.head_dim)
         if tree is not None:
-            out = tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
+            out = shard_tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
         elif isinstance(mask, PrefixMask):
             # Packed projections mean an inference step table on a CPU with the kernel
             # library loaded (cpu_matmul.pack_params): its prefix attention goes there too.

@@ -22,9 +22,9 @@ to the target and mesh by ``sharding.model_axis_rules``): the abstract state's
 (``logical_axes`` metadata: heads, MLP width and vocabulary on "model"; norms and
 hidden dims replicated). Parameters are placed with those shardings, in and out
 shardings are pinned on every graph and GSPMD partitions the rest. The draft runs
-replicated over "model" (see ``__init__``). Under a mesh of several devices the CPU FFI
-kernels are off and the Pallas kernels run their XLA references (custom calls cannot be
-partitioned by GSPMD; shard_map'd kernels are future work).
+replicated over "model" (see ``__init__``). Under a mesh of several devices the Pallas
+kernels run inside shard_map (custom calls cannot be partitioned by GSPMD;
+``eagle_jax.sharded_kernels``) and the CPU FFI kernels are off.
 
 Calling a key that was not built raises ``CompileAfterBuildError``, and a built graph is
 a ``Compiled`` executable, which refuses arguments of other shapes instead of
@@ -102,6 +102,9 @@ class BuildReport:
                 f"{self.max_temp_bytes / 2**20:.1f} MiB, code {self.code_bytes / 2**20:.1f} MiB)")
 
 
+DRAFT_SHARDINGS = ("replicated", "model")
+
+
 class StepTable:
     """Every compiled graph for one (target, draft) pair and one set of static shapes.
 
@@ -120,13 +123,15 @@ class StepTable:
       tree_hook: a draft hook traced into speculative steps (the oracle; None in serving).
       hook_width: columns of ``state.hook_data`` the hook reads (0: no hook data).
       mesh: the device mesh, axes data and model (default: one device;
-        ``sharding.make_mesh``). On more than one device the Pallas kernels give way to
-        their XLA references (``kernel_impl`` "auto" runs "reference", ``kernel_path``
-        says so; "kernel" is a ``ConfigError``) and the CPU FFI kernels are off.
+        ``sharding.make_mesh``). On more than one device the Pallas kernels run under
+        shard_map (``kernel_path`` says so) and the CPU FFI kernels are off.
       cache_align: round the target cache length up to a multiple of this (default: the
         tree-attention kernel's block on GPUs, so the kernel applies; 1 on CPU).
       plain: compile the plain step (a policy that never runs it need not).
       sampled: compile steps for batches with sampled rows (False: greedy-only steps).
+      draft_sharding: "replicated" (the draft whole on every device, its rows on "data")
+        or "model" (its heads, MLP width and vocabularies split over "model" by the
+        target's rules fitted to the draft's sizes).
     """
 
     def __init__(
@@ -135,6 +140,7 @@ class StepTable:
         prefill_token_budget: int = 512, kernel_impl: str = "auto", check_finite: bool = False,
         time_phases: bool = False, tree_hook: TreeHook | None = None, hook_width: int = 0,
         mesh: Mesh | None = None, cache_align: int | None = None, plain: bool = True, sampled: bool = True,
+        draft_sharding: str = "replicated",
     ):
         shapes = tuple(dict.fromkeys(shapes))  # unique, in order
         if shapes and draft is None:
@@ -158,20 +164,12 @@ class StepTable:
         self.multi_process = spans_processes(self.mesh)
         self.backend = jax.default_backend()
         # The Pallas kernels (verify, sampling, tree attention) are custom calls, which
-        # GSPMD cannot partition; until they run under shard_map a sharded table runs
-        # their XLA references. ``kernel_impl`` is what the graphs use, ``kernel_path``
-        # says why (the engine's start-up line).
-        self.kernel_impl, self.kernel_path = kernel_impl, kernel_impl
-        if self.mesh.size > 1 and kernel_impl != "reference":
-            if kernel_impl == "kernel":
-                raise ConfigError(
-                    f"kernel_impl='kernel' needs a single-device mesh (this one has {self.mesh.size} devices): the "
-                    f"Pallas kernels are not wrapped in shard_map yet; use kernel_impl='auto' or 'reference'"
-                )
-            self.kernel_impl = "reference"
-            self.kernel_path = (f"reference (kernel_impl={kernel_impl}: the Pallas kernels are single-device, "
-                                f"so a mesh of {self.mesh.size} devices runs their XLA references)")
-            log.info("step table: %s", self.kernel_path)
+        # GSPMD cannot partition; under a mesh of several devices each runs inside
+        # shard_map on its device's rows and heads (eagle_jax.sharded_kernels).
+        # ``kernel_impl`` is what the graphs use, ``kernel_path`` says so (start-up line).
+        self.kernel_impl = kernel_impl
+        self.kernel_path = (f"{kernel_impl} (Pallas kernels under shard_map over {self.mesh.size} devices)"
+                            if self.mesh.size > 1 and kernel_impl != "reference" else kernel_impl)
         self.cache_align = cache_align or (TREE_ATTENTION_BLOCK if self.backend == "gpu" else 1)
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
@@ -190,11 +188,16 @@ class StepTable:
             self.matmul_path += f", {self._bound.packed} matrices packed"
         # Sharding rules: the target's from its sizes (a ConfigError when the mesh does not
         # fit it; KV heads replicated where they do not divide "model"). The draft runs
-        # replicated over "model" (its rows on "data"): one small layer run S times per
-        # step, where tensor parallelism would add two all-reduces per draft step plus a
-        # vocabulary-wide top-k across shards. Not yet measured against a sharded draft.
+        # replicated over "model" by default (its rows on "data"): one small layer run S
+        # times per step, where tensor parallelism adds two all-reduces per draft step
+        # plus a vocabulary-wide top-k across shards; draft_sharding="model" splits it
+        # (scripts/bench_draft_sharding.py times both on the devices at hand).
+        if draft_sharding not in DRAFT_SHARDINGS:
+            raise ConfigError(f"draft_sharding={draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
+        self.draft_sharding = draft_sharding
         self.rules = model_axis_rules(target.axis_sizes(), self.mesh, what="target")
-        self.draft_rules = replicated_rules(self.rules)
+        self.draft_rules = (model_axis_rules(draft.axis_sizes(), self.mesh, what="draft")
+                            if draft is not None and draft_sharding == "model" else replicated_rules(self.rules))
         self.param_shardings = tuple(
             tuple(NamedSharding(self.mesh, partition_spec(a, rules)) for a in axes)
             for axes, rules in zip(self._bound.axes, (self.rules, self.draft_rules))
@@ -254,22 +257,31 @@ class StepTable:
     def verify_attention_path(self) -> str:
         """How verify forwards attend in this table's graphs, and why (for the start-up log).
 
-        On CPU the verify forward attends with a dense ancestor mask in XLA (faster there
-        than the interpreted kernel); on GPUs ``pallas_kernels.tree_attention`` picks the
-        kernel or its XLA reference by ``select_tree_attention_path``, here asked with the
-        table's real cache shape."""
+        Off the GPU kernel (a CPU, ``kernel_impl="reference"``) a Llama-family
+        verify forward attends through ``model.prefix_attention``: the T tree tokens among
+        themselves (ancestor mask) in XLA, and the cached prefix in the CPU attention
+        kernel where the table packed its weights and the kernel takes the shape (T * G
+        queries per KV head), else in XLA block by block. On GPUs
+        ``pallas_kernels.tree_attention`` picks the kernel or its XLA reference by
+        ``select_tree_attention_path``, here asked with the table's real cache shape."""
         if not self.shapes:
             return "no verify (plain only)"
-        if self.backend != "gpu" or self.kernel_impl == "reference":
-            why = (self.backend if self.backend != "gpu" else f"the kernel is single-device; mesh of {self.mesh.size}"
-                   if self.mesh.size > 1 else "kernel_impl=reference")
-            return f"XLA dense ancestor mask ({why})"
-        from pallas_kernels.tree_attention import select_tree_attention_path
-
         cfg = self.target.config
         leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
-        if len(leaf.shape) != 4:  # not a [B, S, KV, D] cache: the kernel does not apply
+        if len(leaf.shape) != 4:  # not a [B, S, KV, D] cache: neither kernel applies
             return f"XLA (cache leaves of shape {leaf.shape} are not [B, S, KV, D])"
+        if self.backend != "gpu" or self.kernel_impl == "reference":
+            why = self.backend if self.backend != "gpu" else "kernel_impl=reference"
+            g = cfg.num_attention_heads // cfg.num_key_value_heads
+            paths = {}
+            for shape in self.shapes:
+                t = shape.num_draft_tokens
+                on_kernel = self._bound.packed > 0 and cpu_matmul.prefix_attention_supported(t, g, leaf.shape[3], leaf.dtype)
+                paths[shape.shape] = ("prefix in the CPU attention kernel" if on_kernel
+                                      else "prefix in XLA block by block")
+            return (f"tree block in XLA, " + "; ".join(f"{k}: {v}" for k, v in paths.items()) + f" ({why})")
+        from pallas_kernels.tree_attention import select_tree_attention_path
+
         cc = getattr(jax.devices()[0], "compute_capability", None)
         paths = {}
         for shape in self.shapes:

@@ -45,6 +45,7 @@ from jaxtyping import Array, Bool, Float, Int
 from eagle_jax.draft import Eagle3Draft
 from eagle_jax.spec_config import SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
 from eagle_jax.model import KVCache, PrefixMask, TreeAttention
+from eagle_jax.sharded_kernels import shard_rows
 from eagle_jax.target import ArraySpec, TargetModel, cache_len
 from eagle_jax.sampling import (
     SamplingArrays,
@@ -209,8 +210,9 @@ def verify_tree(
     """Target forward over the tree tokens of every sequence (ancestor-only mask).
 
     Writes the tree's KV at slots ``seq_len + t``; returns (logits, features, cache).
-    ``tree_attention_impl`` None attends with a dense ``[B, T, S]`` mask in XLA; otherwise
-    with ``pallas_kernels.tree_attention`` in that mode (the GPU path).
+    ``tree_attention_impl`` None attends through the target's ``PrefixMask`` path (the tree
+    block under its ancestor mask, then the cached prefix block by block or in the CPU
+    kernel); otherwise with ``pallas_kernels.tree_attention`` in that mode (the GPU path).
     """
     t = tree.tokens.shape[1]
     slots = seq_lens[:, None] + jnp.arange(t)[None, :]
@@ -237,11 +239,12 @@ def accept_tree(
 
     Returns ``(accept_index [B, S+1], accept_length [B], out_tokens [B, S+1])``.
     """
+
+    def greedy(tokens, parents, picks):  # the verify kernel, per device on its rows under a mesh
+        return verify_greedy(tokens, parents, picks, max_depth=cfg.num_steps, impl=kernel_impl)
+
     if greedy_only:
-        return verify_greedy(
-            tree.tokens, tree.parents, jnp.argmax(logits, -1).astype(jnp.int32),
-            max_depth=cfg.num_steps, impl=kernel_impl,
-        )
+        return shard_rows(greedy, tree.tokens, tree.parents, jnp.argmax(logits, -1).astype(jnp.int32))
     b, t, v = logits.shape
     rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731
     # Greedy rows get one-hot probabilities, so sampling verification is exact for them too.
@@ -250,16 +253,19 @@ def accept_tree(
         # The token after slot t sits at position seq_len + depth(t) + 1.
         u = position_uniforms(samp.key, seq_lens[:, None] + tree.depths + 1)  # [B, T]
         draws = inverse_cdf_sample(probs, u.reshape(-1)).reshape(b, t)
-        return verify_greedy(tree.tokens, tree.parents, draws, max_depth=cfg.num_steps, impl=kernel_impl)
+        return shard_rows(greedy, tree.tokens, tree.parents, draws)
     coin_key, bonus_key = _step_keys(samp, seq_lens)
     # Coins in (0, 1]: a coin of exactly 0 would accept a zero-probability child.
     coins = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (t,)))(coin_key)
     bonus_u = jax.vmap(lambda k: jax.random.uniform(k, ()))(bonus_key)
-    return tree_speculative_sample(
-        tree.tokens, tree.parents, probs.reshape(b, t, v), coins, bonus_u,
-        max_depth=cfg.num_steps, threshold_single=cfg.threshold_single,
-        threshold_acc=cfg.threshold_acc, impl=kernel_impl,
-    )
+    def sample(tokens, parents, probs, coins, bonus_u):
+        return tree_speculative_sample(
+            tokens, parents, probs, coins, bonus_u, max_depth=cfg.num_steps,
+            threshold_single=cfg.threshold_single, threshold_acc=cfg.threshold_acc, impl=kernel_impl,
+        )
+
+    # Per device on its rows under a mesh; the probabilities are gathered over the vocabulary.
+    return shard_rows(sample, tree.tokens, tree.parents, probs.reshape(b, t, v), coins, bonus_u)
 
 
 def commit_accepted(cache, feats, seq_lens, accept_index, accept_length, cfg: SpeculativeConfig):
@@ -321,7 +327,9 @@ def verify_phase_impl(
     seq = state.seq_lens
     with jax.named_scope("verify"):
         # On GPUs the verify forward attends with the tree-attention kernel (it falls back
-        # to XLA for shapes it does not support); on CPU the dense-mask XLA path is faster.
+        # to XLA for shapes it does not support); elsewhere through the target's prefix
+        # attention (tree block in XLA, the cached prefix in the CPU kernel or XLA;
+        # StepTable.verify_attention_path says which), faster on CPU than the interpreter.
         on_gpu = jax.default_backend() == "gpu" and kernel_impl != "reference"
         logits, feats, tcache = verify_tree(
             target, state.target_cache, seq, tree, tree_attention_impl="auto" if on_gpu else None

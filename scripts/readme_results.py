@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the README's "Results" tables from the shipped ablations' points files.
 
-    python scripts/readme_results.py [--dir results/ablations]
+    python scripts/readme_results.py [--dir results/ablations] [--batch-plot PNG]
 
 eagle_table: mean accept length and speedup per shape (rows) and suite (columns);
 temperature: accept length and speedup per (temperature, verification, shape), with how
@@ -74,6 +74,8 @@ def batch(recs_by_name: dict[str, list[dict]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("results") / "ablations")
+    ap.add_argument("--batch-plot", type=Path, default=None,
+                    help="also draw the batch sweeps together in one PNG (results/ablations/batch_sweeps.png)")
     args = ap.parse_args()
     recs = load(args.dir / "eagle_table" / "points.jsonl")
     if recs:
@@ -85,6 +87,21 @@ def main() -> None:
     sweeps = {n: r for n, r in sweeps.items() if r}
     if sweeps:
         print("## batch sweeps\n\n" + batch(sweeps))
+        if args.batch_plot is not None:
+            batch_plot(sweeps, args.batch_plot)
+            print(f"\nwrote {args.batch_plot}")
+
+
+def batch_plot(recs_by_name: dict[str, list[dict]], path: Path) -> None:
+    """The three batch sweeps in one tokens/s-against-batch-size panel (plain, each fixed
+    shape, the threshold policy, auto), drawn by ``eagle-jax ablate``'s own plotting."""
+    from eagle_jax.ablate import Sweep, save_plots
+
+    recs = [r for rs in recs_by_name.values() for r in rs]
+    sizes = sorted({r["point"]["batch_size"] for r in recs})
+    grid = {"batch_size": sizes, "policy": sorted({r["point"]["policy"] for r in recs})}
+    # Only the batch panel: the accept and depth panels belong to each sweep's own plot.
+    save_plots(Sweep(name=" + ".join(recs_by_name), fixed={}, grid=grid, points=(), sha256=""), recs, path, only=("batch",))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,18 @@ def engines() -> dict:
                 "tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
                 "describe": engine._describe,
             }
+    # The draft split over model like the target (draft_sharding="model").
+    for mesh in [(1, 8), (2, 4)]:
+        for mode, shape in (("chain", CHAIN), ("tree", TREE)):
+            cfg = EngineConfig(speculative=shape, mesh=mesh, draft_sharding="model", **base)
+            engine = Engine(target, draft, cfg, policy=FixedPolicy(shape), progress=False)
+            done = engine.generate(prompts, params)
+            q = engine._table.params[1]
+            runs[f"{mesh[0]}x{mesh[1]} {mode} draft-split"] = {
+                "tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
+                "describe": engine._describe,
+                "draft_specs": sorted({str(spec(x)) for x in q}),
+            }
     return {"runs": runs}
 
 
@@ -186,8 +198,6 @@ def tables() -> dict:
         "too many devices": lambda: make_mesh((4, 4)),
         "heads do not divide": lambda: Engine(tiny_target(heads=6, kv_heads=2), None,
                                               EngineConfig(speculative=None, mesh=(1, 4), **base), progress=False),
-        "kernel on a mesh": lambda: StepTable(target, None, shapes=(), batch_buckets=(2,), prompt_buckets=(),
-                                              max_seq_len=32, kernel_impl="kernel", mesh=make_mesh((1, 2))),
     }.items():
         try:
             fn()
@@ -271,9 +281,66 @@ def sliced() -> dict:
     return out
 
 
+# (mesh, query heads, KV heads): KV heads split over model, sliced per device from a
+# replicated cache (one KV head per device; two devices per KV head), and neither fitting.
+ATTENTION_CASES = [((2, 4), 8, 4), ((1, 8), 8, 4), ((1, 4), 8, 2), ((1, 4), 12, 3), ((1, 1), 8, 4)]
+
+
+def kernels() -> dict:
+    """The Pallas kernels under a mesh (eagle_jax.sharded_kernels) on CPU: tree attention
+    split per device for each ``ATTENTION_CASES`` case beside the unsharded attention (max
+    abs difference, and how the KV heads were split); and greedy tokens of the engine with
+    ``kernel_impl="kernel"`` (the interpreted verify kernel inside the steps) per mesh."""
+    from pallas_kernels.testing import random_trees
+    from pallas_kernels.tree import tree_ancestor_mask
+    from pallas_kernels.tree_attention import tree_attention_reference
+
+    from eagle_jax.sharded_kernels import kv_slice, shard_tree_attention
+
+    out: dict = {"attention": {}, "runs": {}}
+    b, t, d, s = 4, 6, 64, 128
+    parents = random_trees(np.random.default_rng(0), b, t, max_depth=3, vocab=16, pad_prob=0.0).parents
+    mask = tree_ancestor_mask(jnp.asarray(parents))
+    seq = jnp.asarray([5, 40, 64, 100], jnp.int32)
+    for mesh, hq, hkv in ATTENTION_CASES:
+        key = jax.random.split(jax.random.PRNGKey(hq * 10 + hkv), 3)
+        q = jax.random.normal(key[0], (b, t, hq, d)).astype(jnp.bfloat16)
+        k = jax.random.normal(key[1], (b, s, hkv, d)).astype(jnp.bfloat16)
+        v = jax.random.normal(key[2], (b, s, hkv, d)).astype(jnp.bfloat16)
+        want = tree_attention_reference(q, k, v, seq, mask, scale=d ** -0.5)
+        m = make_mesh(mesh)
+        # The reference inside shard_map: the kernel itself is checked alone, interpreted, in
+        # tests/kernels/test_tree_attention.py; Mosaic GPU's interpreter keeps one shared
+        # memory for every device of a process and fails when 8 run it at once.
+        f = jax.jit(lambda *a: shard_tree_attention(*a, scale=d ** -0.5, impl="reference"))
+        with jax.set_mesh(m):
+            text = f.lower(q, k, v, seq, mask).as_text()
+            got = f(q, k, v, seq, mask)
+        out["attention"][f"{mesh[0]}x{mesh[1]} {hq}/{hkv}"] = {
+            "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))),
+            "split": kv_slice(hq, hkv, mesh[1]) if mesh[1] > 1 else None,
+            "shard_map": "shard_map" in text or "manual" in text,
+        }
+    target = tiny_target()
+    draft = random_draft(target.config, seed=1, draft_vocab_size=64)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 5, 7, 9)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    base = dict(max_batch=4, batch_buckets=(4,), max_seq_len=24, prompt_buckets=(16,), sampled_steps=False)
+    for mesh, impl in (((1, 1), "reference"), ((2, 4), "kernel"), ((1, 8), "kernel")):
+        for mode, shape in (("chain", CHAIN), ("tree", TREE)):
+            cfg = EngineConfig(speculative=shape, mesh=mesh, kernel_impl=impl, **base)
+            engine = Engine(target, draft, cfg, policy=FixedPolicy(shape), progress=False)
+            done = engine.generate(prompts, params)
+            out["runs"][f"{mesh[0]}x{mesh[1]} {mode} {impl}"] = {
+                "tokens": [c.token_ids for c in done], "describe": engine._describe,
+            }
+    return out
+
+
 def main() -> None:
     what = sys.argv[1]
-    out = {"tables": tables, "engines": engines, "experts": experts, "sliced": sliced}[what]()
+    out = {"tables": tables, "engines": engines, "experts": experts, "sliced": sliced, "kernels": kernels}[what]()
     out["devices"] = len(jax.devices())
     print(json.dumps(out))
 

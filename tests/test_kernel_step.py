@@ -4,9 +4,10 @@ on CPU, and the greedy output is token-identical to plain greedy decoding, for a
 and a tree, with an oracle whose noise makes acceptance partial (multi-token accepts and
 rejections both happen).
 
-On CPU the verify forward attends with the dense XLA mask whatever ``kernel_impl`` says
-(the tree-attention kernel is chosen on GPUs only: ``select_tree_attention_path``); its
-interpreted kernel is checked alone in tests/kernels/test_tree_attention.py.
+On CPU the verify forward attends through the target's prefix attention whatever
+``kernel_impl`` says (the tree-attention kernel is chosen on GPUs only:
+``select_tree_attention_path``); its interpreted kernel is checked alone in
+tests/kernels/test_tree_attention.py, and under a mesh in tests/test_sharding.py.
 """
 
 import jax

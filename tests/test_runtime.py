@@ -203,7 +203,38 @@ def test_gpu_tables_size_the_cache_for_the_tree_attention_kernel(monkeypatch):
     assert "XLA reference" in path and "multiple of block_k=64" in path
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     on_cpu = StepTable(target, draft, **kw)
-    assert on_cpu.target_cache_len == 264 and on_cpu.verify_attention_path().startswith("XLA dense ancestor mask")
+    assert on_cpu.target_cache_len == 264
+    # bfloat16: nothing is packed, so the prefix attends in XLA.
+    assert on_cpu.verify_attention_path() == f"tree block in XLA, {TREE.shape}: prefix in XLA block by block (cpu)"
+
+
+def test_the_start_up_line_names_the_verify_attention_the_graph_runs(target, draft):
+    """On CPU (float32, packed weights) the line says the prefix goes to the CPU
+    attention kernel exactly when the verify forward calls it (lowered on the table's own
+    packed parameters): a tree whose T * G queries the kernel takes, and one too wide."""
+    from eagle_jax import cpu_matmul
+    from eagle_jax.model import BoundModules, KVCache
+    from eagle_jax.speculative import Tree, verify_tree
+
+    wide = SpeculativeConfig(num_steps=4, topk=8, num_draft_tokens=cpu_matmul.ATTENTION_MAX_QUERIES)
+    t = StepTable(target, draft, shapes=(TREE, wide), batch_buckets=(1,), prompt_buckets=(16,), max_seq_len=128,
+                  sampled=False)
+    path = t.verify_attention_path()
+    assert t._bound.packed > 0 and path.endswith("(cpu)"), path
+    bound = BoundModules(target, pack=True)
+    for shape, on_kernel in ((TREE, True), (wide, False)):
+        n = shape.num_draft_tokens
+        tree = Tree(tokens=jnp.zeros((1, n), jnp.int32), parents=jnp.arange(-1, n - 1, dtype=jnp.int32)[None],
+                    depths=jnp.arange(n, dtype=jnp.int32)[None])
+
+        def verify(params, cache, tree=tree):
+            (tm,) = bound.modules(params)
+            return verify_tree(tm, cache, jnp.asarray([5], jnp.int32), tree)
+
+        text = jax.jit(verify).lower(bound.params, KVCache.zeros(target.config, 1, 128 + n)).as_text()
+        assert (cpu_matmul.ATTENTION_TARGET in text) == on_kernel, shape.shape
+        want = "prefix in the CPU attention kernel" if on_kernel else "prefix in XLA block by block"
+        assert f"{shape.shape}: {want}" in path, path
 
 
 def test_aligned_cache_is_lossless(target, draft):

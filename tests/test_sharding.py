@@ -81,7 +81,7 @@ def test_parameters_and_caches_are_sharded_as_the_rules_say(tables):
         # Caches [B, S, KV, D]: rows on data, KV heads on model where they divide it.
         assert sh["target_cache"] == (["data", None, "model"] if kv_split else ["data"])
         assert sh["draft_cache"] == ["data"] and sh["seq_lens"] == ["data"] and sh["draft_hidden"] == ["data"]
-        assert sh["kernel_impl"] == "reference" and "single-device" in sh["kernel_path"]
+        assert sh["kernel_impl"] == "auto" and "Pallas kernels under shard_map over 8 devices" in sh["kernel_path"]
 
 
 def test_the_plain_step_holds_the_tensor_parallel_collectives(tables):
@@ -122,7 +122,6 @@ def test_meshes_the_model_cannot_use_are_clear_errors(tables):
     # 6 heads on model=4; the sizes that divide heads, MLP width and vocabulary are named.
     assert "heads 6 is not a multiple of model=4" in e["heads do not divide"]
     assert e["heads do not divide"].endswith("model sizes it can use (dividing heads 6, mlp 128, vocab 256, up to the 8 devices): 1, 2")
-    assert "kernel_impl='kernel' needs a single-device mesh" in e["kernel on a mesh"]
 
 
 @pytest.mark.slow
@@ -135,11 +134,45 @@ def test_every_mesh_decodes_like_one_device():
     for name, r in runs.items():
         assert r["tokens"] == reference, name
         if not name.startswith("1x1"):
-            assert "kernels reference" in r["describe"] and "mesh data=" in r["describe"], r["describe"]
+            assert "kernels auto (Pallas kernels under shard_map" in r["describe"] and "mesh data=" in r["describe"], \
+                r["describe"]
     assert "KV heads: 4, replicated over model=8" in runs["1x8 plain"]["describe"]
     assert "KV heads: 4 split over model" in runs["2x4 chain"]["describe"]
     assert "draft replicated over model" in runs["2x4 tree"]["describe"]
+    # draft_sharding="model": the same tokens (checked above), the draft's parameters split over model.
+    for mesh in ("1x8", "2x4"):
+        for mode in ("chain", "tree"):
+            r = runs[f"{mesh} {mode} draft-split"]
+            assert "draft split over model" in r["describe"], r["describe"]
+            assert "['model']" in r["draft_specs"] and "[None, 'model']" in r["draft_specs"], r["draft_specs"]
     assert "batch rows split over data=8" in runs["8x1 plain"]["describe"]
+
+
+@pytest.mark.slow
+def test_the_pallas_kernels_run_under_shard_map_on_a_mesh():
+    """Tree attention through shard_tree_attention's per-device split equals the unsharded
+    attention for KV heads split over model, sliced per device from a replicated cache, and
+    a head count that fits neither (the reference runs inside shard_map: Mosaic GPU's
+    interpreter cannot run on 8 devices of one process at once; the kernel is checked
+    alone in tests/kernels); the engine with the verify kernel inside its steps
+    (kernel_impl="kernel", interpreted) decodes on (2, 4) and (1, 8) like one device."""
+    out = _worker("kernels", timeout=1800)
+    att = out["attention"]
+    assert att["2x4 8/4"]["split"] == ["split", 0]
+    assert att["1x8 8/4"]["split"] == ["slice", 1] and att["1x4 8/2"]["split"] == ["slice", 1]
+    assert att["1x4 12/3"]["split"] is None  # 3 query heads per device, groups of 4: every head on every device
+    assert att["1x1 8/4"]["split"] is None
+    for name, a in att.items():
+        assert a["max_abs_diff"] <= 2e-2, (name, a)  # bfloat16 outputs
+        assert a["shard_map"] == (not name.startswith("1x1")), name
+    runs = out["runs"]
+    for mode in ("chain", "tree"):
+        want = runs[f"1x1 {mode} reference"]["tokens"]
+        assert all(len(t) == 6 for t in want)
+        for mesh in ("2x4", "1x8"):
+            r = runs[f"{mesh} {mode} kernel"]
+            assert r["tokens"] == want, (mesh, mode)
+            assert "kernels kernel (Pallas kernels under shard_map over 8 devices)" in r["describe"], r["describe"]
 
 
 @pytest.mark.slow
