@@ -415,6 +415,18 @@ class Runner:
         return res
 
 
+def progress_line(res: dict) -> str:
+    """A point's result in one line. A policy point whose policy ran plain throughout
+    (the threshold above its cutoff, auto where nothing pays) has no accept length."""
+    s = res.get("speculative", res["plain"])
+    if "speedup" not in res:
+        return f"{s['median']:.1f} tok/s (plain)"
+    acc = res.get("mean_accept_length")
+    ran_ = f", ran {ran(res)}" if res.get("steps_by_bucket") else ""
+    return (f"{s['median']:.1f} tok/s, accept {'-' if acc is None else f'{acc:.2f}'}, "
+            f"speedup {res['speedup']:.2f}x{ran_}")
+
+
 def _spread(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
@@ -452,9 +464,7 @@ def run_sweep(sweep: Sweep, out: Path, log=print, runner: Runner | None = None) 
                "fingerprint": env}
         append_line(lines, rec)
         done[p.key] = rec
-        s = res.get("speculative", res["plain"])
-        log(f"[{i}/{len(todo)}] {_label(p.values, sweep)}: {s['median']:.1f} tok/s"
-            + (f", accept {res['mean_accept_length']:.2f}, speedup {res['speedup']:.2f}x" if "speedup" in res else " (plain)"))
+        log(f"[{i}/{len(todo)}] {_label(p.values, sweep)}: {progress_line(res)}")
     records = [done[p.key] for p in sweep.points]
     (out / "summary.md").write_text(markdown(sweep, records))
     save_plots(sweep, records, out / "summary.png")
@@ -558,6 +568,8 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
         if panel == "accept":
             series: dict = {}
             for r in spec:
+                if r["result"].get("mean_accept_length") is None:  # a policy that ran plain throughout
+                    continue
                 x = _steps(r)
                 series.setdefault(group(r) + f", topk={_topk(r)}", []).append((x, r["result"]["mean_accept_length"]))
             for name, pts in series.items():

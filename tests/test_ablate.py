@@ -176,6 +176,14 @@ def test_policy_points_say_what_ran(tmp_path):
     assert "| chain S=2 30 |" in table and "| plain 25, chain S=2 10 |" in table
     ablate.save_plots(sweep, recs, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    # Above its cutoff the policy ran plain throughout: no accept length, still a line,
+    # a table row and a plot (a sweep once stopped here on formatting None).
+    off = rec(4, {"4: plain": 40}, 88.0)
+    off["result"].update(mean_accept_length=None, acceptance_rate_by_depth=[])
+    assert ablate.progress_line(off["result"]) == "88.0 tok/s, accept -, speedup 1.00x, ran plain 40"
+    assert "| plain 40 |" in ablate.markdown(sweep, [recs[0], off])
+    ablate.save_plots(sweep, [recs[0], off], tmp_path / "off.png")
+    assert (tmp_path / "off.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow  # ~22 s
