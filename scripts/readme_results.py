@@ -101,7 +101,7 @@ def batch_plot(recs_by_name: dict[str, list[dict]], path: Path) -> None:
     sizes = sorted({r["point"]["batch_size"] for r in recs})
     grid = {"batch_size": sizes, "policy": sorted({r["point"]["policy"] for r in recs})}
     # Only the batch panel: the accept and depth panels belong to each sweep's own plot.
-    save_plots(Sweep(name=" + ".join(recs_by_name), fixed={}, grid=grid, points=(), sha256=""), recs, path, only=("batch",))
+    save_plots(Sweep(name="the batch sweeps", fixed={}, grid=grid, points=(), sha256=""), recs, path, only=("batch",))
 
 
 if __name__ == "__main__":
