@@ -185,9 +185,8 @@ def cmd_generate(args) -> int:
         raise InputError(f"model directory {model_dir} not found (run `make model`, or pass --model DIR)")
     # Before anything touches a device. Every process then runs this same command; only
     # process 0 writes what it generated (the others' copies are the same tokens).
+    # (initialize_distributed logs which process this is.)
     distributed = initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    if distributed is not None:
-        log.info("distributed run: %s", distributed)
     lead = distributed is None or jax.process_index() == 0
     records = _load_records(args)
     base = SamplingParams(

@@ -59,7 +59,7 @@ from eagle_jax.policy import (
     policy_shapes,
 )
 from eagle_jax.requests import RequestProgress, check_prompt
-from eagle_jax.runtime import StepTable
+from eagle_jax.runtime import DRAFT_SHARDINGS, StepTable
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
 from eagle_jax.spec_config import SpeculativeConfig
@@ -209,8 +209,8 @@ class EngineConfig:
             raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
         if t is not None and self.speculative is None:
             raise ConfigError("spec_disable_batch_threshold is set but speculative is None (nothing to switch off)")
-        if self.draft_sharding not in ("replicated", "model"):
-            raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: replicated, model")
+        if self.draft_sharding not in DRAFT_SHARDINGS:
+            raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
         if self.spec_policy not in ("threshold", "auto"):
             raise ConfigError(f"spec_policy={self.spec_policy!r}; valid: threshold, auto")
         if self.spec_policy == "auto":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sharding_worker import CHAIN, NEW_TOKENS, TREE, tiny_target  # noqa: E402
+from sharding_worker import CHAIN, ENGINE_BASE, MODES, decode, engine_inputs  # noqa: E402
 
 from eagle_jax.sharding import initialize_distributed  # noqa: E402
 
@@ -29,36 +29,22 @@ MESHES = [(1, 4), (2, 2)]
 def main(out: Path) -> None:
     line = initialize_distributed()  # from the environment; None for the reference
     import jax
-    import numpy as np
 
-    from eagle_jax.checkpoint.draft_io import random_draft
     from eagle_jax.engine import Engine, EngineConfig
     from eagle_jax.errors import ConfigError
-    from eagle_jax.policy import FixedPolicy
-    from eagle_jax.sampling import SamplingParams
 
-    target = tiny_target()
-    draft = random_draft(target.config, seed=1, draft_vocab_size=64)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 5, 7, 9, 11, 13, 14, 6)]
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    base = dict(max_batch=8, batch_buckets=(8,), max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
+    target, draft, prompts, params = engine_inputs()
     result = {"distributed": line, "process": jax.process_index(), "processes": jax.process_count(),
               "devices": jax.device_count(), "local_devices": jax.local_device_count(), "runs": {}}
     for mesh in MESHES if line is not None else [(1, 1)]:
-        for mode, shape in (("plain", None), ("chain", CHAIN), ("tree", TREE)):
-            cfg = EngineConfig(speculative=shape, mesh=mesh, **base)
-            engine = Engine(target, None if shape is None else draft, cfg,
-                            policy=None if shape is None else FixedPolicy(shape), progress=False)
-            done = engine.generate(prompts, params)
-            result["runs"][f"{mesh[0]}x{mesh[1]} {mode}"] = {
-                "tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
-                "describe": engine._describe,
-            }
+        for mode, shape in MODES:
+            r = decode(target, draft, prompts, params, mesh, shape)
+            r.pop("engine")
+            result["runs"][f"{mesh[0]}x{mesh[1]} {mode}"] = r
     if line is not None:
         try:
             Engine(target, draft, EngineConfig(speculative=CHAIN, spec_policy="auto", spec_shapes=(CHAIN,),
-                                               mesh=(1, 4), **base), progress=False)
+                                               mesh=(1, 4), **ENGINE_BASE), progress=False)
             result["auto_error"] = None
         except ConfigError as e:
             result["auto_error"] = str(e)

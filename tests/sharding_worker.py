@@ -51,39 +51,49 @@ def spec(x) -> list:
     return p
 
 
-def engines() -> dict:
-    """Greedy tokens of every mesh and mode (plain, chain, tree), through the engine."""
+# One batch bucket of 8: split over data=2 and data=8; the prefill batch of 1 (always
+# compiled) is not a multiple of data, so its rows run replicated over data.
+ENGINE_BASE = dict(max_batch=8, batch_buckets=(8,), max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
+
+
+def engine_inputs() -> tuple:
+    """(target, draft, prompts, sampling params) of the engine checks (8 prompts)."""
     target = tiny_target()
     draft = random_draft(target.config, seed=1, draft_vocab_size=64)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 5, 7, 9, 11, 13, 14, 6)]
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    # One batch bucket of 8: split over data=2 and data=8; the prefill batch of 1 (always
-    # compiled) is not a multiple of data, so its rows run replicated over data.
-    base = dict(max_batch=8, batch_buckets=(8,), max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
+    return target, draft, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def decode(target, draft, prompts, params, mesh, shape, **config) -> dict:
+    """Greedy tokens, accept lengths and the start-up line of one engine run (``shape``
+    None: plain, no draft; else ``FixedPolicy(shape)``), config fields over ``ENGINE_BASE``."""
+    cfg = EngineConfig(speculative=shape, mesh=mesh, **{**ENGINE_BASE, **config})
+    engine = Engine(target, None if shape is None else draft, cfg,
+                    policy=None if shape is None else FixedPolicy(shape), progress=False)
+    done = engine.generate(prompts, params)
+    return {"tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
+            "describe": engine._describe, "engine": engine}
+
+
+MODES = (("plain", None), ("chain", CHAIN), ("tree", TREE))
+
+
+def engines() -> dict:
+    """Greedy tokens of every mesh and mode (plain, chain, tree), through the engine."""
+    target, draft, prompts, params = engine_inputs()
     runs = {}
     for mesh in MESHES:
-        for mode, shape in (("plain", None), ("chain", CHAIN), ("tree", TREE)):
-            cfg = EngineConfig(speculative=shape, mesh=mesh, **base)
-            engine = Engine(target, None if shape is None else draft, cfg,
-                            policy=None if shape is None else FixedPolicy(shape), progress=False)
-            done = engine.generate(prompts, params)
-            runs[f"{mesh[0]}x{mesh[1]} {mode}"] = {
-                "tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
-                "describe": engine._describe,
-            }
+        for mode, shape in MODES:
+            r = decode(target, draft, prompts, params, mesh, shape)
+            r.pop("engine")
+            runs[f"{mesh[0]}x{mesh[1]} {mode}"] = r
     # The draft split over model like the target (draft_sharding="model").
     for mesh in [(1, 8), (2, 4)]:
-        for mode, shape in (("chain", CHAIN), ("tree", TREE)):
-            cfg = EngineConfig(speculative=shape, mesh=mesh, draft_sharding="model", **base)
-            engine = Engine(target, draft, cfg, policy=FixedPolicy(shape), progress=False)
-            done = engine.generate(prompts, params)
-            q = engine._table.params[1]
-            runs[f"{mesh[0]}x{mesh[1]} {mode} draft-split"] = {
-                "tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
-                "describe": engine._describe,
-                "draft_specs": sorted({str(spec(x)) for x in q}),
-            }
+        for mode, shape in MODES[1:]:
+            r = decode(target, draft, prompts, params, mesh, shape, draft_sharding="model")
+            r["draft_specs"] = sorted({str(spec(x)) for x in r.pop("engine")._table.params[1]})
+            runs[f"{mesh[0]}x{mesh[1]} {mode} draft-split"] = r
     return {"runs": runs}
 
 
@@ -321,20 +331,13 @@ def kernels() -> dict:
             "split": kv_slice(hq, hkv, mesh[1]) if mesh[1] > 1 else None,
             "shard_map": "shard_map" in text or "manual" in text,
         }
-    target = tiny_target()
-    draft = random_draft(target.config, seed=1, draft_vocab_size=64)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 5, 7, 9)]
+    target, draft, prompts, _ = engine_inputs()
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    base = dict(max_batch=4, batch_buckets=(4,), max_seq_len=24, prompt_buckets=(16,), sampled_steps=False)
+    small = dict(max_batch=4, batch_buckets=(4,), max_seq_len=24)
     for mesh, impl in (((1, 1), "reference"), ((2, 4), "kernel"), ((1, 8), "kernel")):
-        for mode, shape in (("chain", CHAIN), ("tree", TREE)):
-            cfg = EngineConfig(speculative=shape, mesh=mesh, kernel_impl=impl, **base)
-            engine = Engine(target, draft, cfg, policy=FixedPolicy(shape), progress=False)
-            done = engine.generate(prompts, params)
-            out["runs"][f"{mesh[0]}x{mesh[1]} {mode} {impl}"] = {
-                "tokens": [c.token_ids for c in done], "describe": engine._describe,
-            }
+        for mode, shape in MODES[1:]:
+            r = decode(target, draft, prompts[:4], params, mesh, shape, kernel_impl=impl, **small)
+            out["runs"][f"{mesh[0]}x{mesh[1]} {mode} {impl}"] = {"tokens": r["tokens"], "describe": r["describe"]}
     return out
 
 
