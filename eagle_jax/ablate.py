@@ -19,7 +19,8 @@ Fields (``FIELDS``): the draft shape as ``shape`` ("plain", "chain S=3", "tree S
 T=8") or as ``steps``/``topk``/``draft_tokens``; ``policy`` (fixed, threshold, auto);
 ``threshold`` (the seed system's batch cutoff, with policy threshold); ``temperature``,
 ``top_p``, ``top_k``, ``sampling_verify`` (coupled, rejection); ``batch_size``; ``draft``;
-``suite``; ``max_prompts``, ``max_new_tokens``, ``repeats``, ``seed``, ``dtype``, ``model``.
+``suite``; ``max_prompts``, ``max_new_tokens``, ``repeats``, ``seed``, ``dtype``, ``model``;
+``draft_sync`` (eager, deferred; unset: the engine's default, ``EngineConfig.draft_sync``).
 An unknown field, a bad value or an empty list is a ``ConfigError`` naming the field,
 raised before anything runs (every point is resolved first).
 
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.spec_config import SpeculativeConfig, parse_shape
+from eagle_jax.spec_config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape
 
 POLICIES = ("fixed", "threshold", "auto")
 MAX_DEPTH_LINES = 10  # acceptance-by-depth lines drawn one per point up to this many
@@ -124,6 +125,8 @@ FIELDS: dict[str, tuple[Callable[[str, Any], Any], Any, str]] = {
     "repeats": (_int(1), 3, "interleaved timed passes per point"),
     "seed": (_int(0), 0, "seed of prompt i is seed + i"),
     "dtype": (_choice(("float32", "bfloat16")), "float32", "parameter dtype"),
+    # None default: points that do not set it keep the keys they had before the field existed.
+    "draft_sync": (_choice(DRAFT_SYNC_MODES), None, "how the draft follows plain steps (unset: the engine's auto)"),
 }
 TOP_ONLY = ("name",)  # top-level keys that are not point fields
 
@@ -318,13 +321,15 @@ class Runner:
         # and prompt buckets for each (a longer suite's prompts do not fit the last one's).
         key = (id(target), id(draft) if spec is not None else None, max_seq_len, tuple(buckets), v["batch_size"], sampled,
                v["policy"] if spec is not None else None, spec.shape if spec is not None else None,
-               v.get("threshold"), spec.sampling_verify if spec is not None else None)
+               v.get("threshold"), spec.sampling_verify if spec is not None else None, v.get("draft_sync"))
         if key in self._engines:
             return self._engines[key]
         if len(self._engines) >= 6:  # bound the compiled graphs held
             self._engines.pop(next(iter(self._engines)))
         base = dict(max_batch=v["batch_size"], batch_buckets=(v["batch_size"],), max_seq_len=max_seq_len,
                     prompt_buckets=buckets, sampled_steps=sampled)
+        if spec is not None and v.get("draft_sync") is not None:
+            base["draft_sync"] = v["draft_sync"]
         if spec is None:
             cfg, policy = EngineConfig(speculative=None, **base), None
         elif v["policy"] == "auto":

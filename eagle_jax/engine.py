@@ -60,6 +60,7 @@ from eagle_jax.policy import (
 )
 from eagle_jax.requests import RequestProgress, check_prompt
 from eagle_jax.runtime import DRAFT_SHARDINGS, StepTable
+from eagle_jax.spec_config import DRAFT_SYNC_MODES
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
 from eagle_jax.spec_config import SpeculativeConfig
@@ -154,6 +155,14 @@ class EngineConfig:
       draft_sharding: "replicated" (default: the draft whole on every device, its rows
         on ``data``) or "model" (its heads, MLP width and vocabularies split over
         ``model``; its sizes must divide it). ``scripts/bench_draft_sharding.py`` times both.
+      draft_sync: how the draft follows the target where speculation is off
+        (``speculative.DraftSync``): "eager" (prefill runs the draft over the prompt and
+        every plain step runs a 1-token draft extend), "deferred" (they only store the
+        draft's inputs, one vector of the draft's width per position; the next
+        speculative step runs the draft over what is pending: a request that never
+        speculates never pays for the draft) or "auto" (default: deferred where the policy
+        can run plain steps and speculate, on one device; eager otherwise, where the
+        catch-up's row gather would cross the "data" shards).
     """
 
     max_batch: int = 8
@@ -176,6 +185,7 @@ class EngineConfig:
     cache_align: int | None = None
     mesh: tuple[int, int] | tuple[int, int, int] | str = (1, 1)
     draft_sharding: str = "replicated"
+    draft_sync: str = "auto"
 
     def __post_init__(self):
         def positive_int(name):
@@ -211,6 +221,8 @@ class EngineConfig:
             raise ConfigError("spec_disable_batch_threshold is set but speculative is None (nothing to switch off)")
         if self.draft_sharding not in DRAFT_SHARDINGS:
             raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
+        if self.draft_sync not in ("auto",) + DRAFT_SYNC_MODES:
+            raise ConfigError(f"draft_sync={self.draft_sync!r}; valid: auto, {', '.join(DRAFT_SYNC_MODES)}")
         if self.spec_policy not in ("threshold", "auto"):
             raise ConfigError(f"spec_policy={self.spec_policy!r}; valid: threshold, auto")
         if self.spec_policy == "auto":
@@ -958,6 +970,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         check_finite=config.detect_nan, time_phases=config.time_phases, tree_hook=draft_hook, hook_width=hook_width,
         plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align, mesh=mesh,
         draft_sharding=config.draft_sharding,
+        draft_sync=resolve_draft_sync(config.draft_sync, policy, mesh.size) if shapes else "eager",
     )
     report = table.build(progress)
     calibrate = getattr(policy, "calibrate", None)
@@ -968,8 +981,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         metrics.accepted_at_depth = np.zeros(max(s.num_steps for s in shapes), np.int64)
     spec = config.speculative
     feature_note = ""
-    if draft is not None:
-        feature_note = f"; draft features {_feature_layers(target)}"
+    if table.draft is not None:
+        feature_note = f"; draft features {_feature_layers(target)}; draft sync {_sync_note(table, config)}"
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
         f"speculation {policy.describe()}"
@@ -995,6 +1008,23 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         _last_shape=None, _steps_run=0, _shrink_wait=0, _step_no=0, metrics=metrics,
         _other_work=False, _last_ready=None,
     )
+
+
+def resolve_draft_sync(mode: str, policy: SpeculationPolicy, devices: int) -> str:
+    """``EngineConfig.draft_sync`` for this policy and mesh: "auto" is deferred where the
+    policy may both run plain steps and speculate (a fixed shape never runs plain: the
+    prompt is all a deferral would move) on a single device, eager otherwise."""
+    if mode != "auto":
+        return mode
+    return "deferred" if policy.runs_plain and policy_shapes(policy) and devices == 1 else "eager"
+
+
+def _sync_note(table: StepTable, config: EngineConfig) -> str:
+    s = table.draft_sync
+    how = ("plain steps and prefill store the draft's inputs, a speculative step first runs the draft over "
+           f"what is pending, {s.rows} rows x {s.width} positions at a time" if s.deferred
+           else "prefill and plain steps run the draft")
+    return f"{s.mode} ({how}; draft_sync={config.draft_sync})"
 
 
 def _mesh_note(table: StepTable) -> str:

@@ -50,6 +50,7 @@ from eagle_jax.model import BoundModules
 from eagle_jax.sampling import SamplingArrays
 from eagle_jax.spec_config import SpeculativeConfig
 from eagle_jax.speculative import (
+    DraftSync,
     SpecState,
     Tree,
     TreeHook,
@@ -132,6 +133,8 @@ class StepTable:
       draft_sharding: "replicated" (the draft whole on every device, its rows on "data")
         or "model" (its heads, MLP width and vocabularies split over "model" by the
         target's rules fitted to the draft's sizes).
+      draft_sync: how plain steps and prefill keep the draft (``speculative.DraftSync``
+        or its mode, "eager" or "deferred"); with no draft it does not apply.
     """
 
     def __init__(
@@ -140,7 +143,7 @@ class StepTable:
         prefill_token_budget: int = 512, kernel_impl: str = "auto", check_finite: bool = False,
         time_phases: bool = False, tree_hook: TreeHook | None = None, hook_width: int = 0,
         mesh: Mesh | None = None, cache_align: int | None = None, plain: bool = True, sampled: bool = True,
-        draft_sharding: str = "replicated",
+        draft_sharding: str = "replicated", draft_sync: DraftSync | str = "eager",
     ):
         shapes = tuple(dict.fromkeys(shapes))  # unique, in order
         if shapes and draft is None:
@@ -153,6 +156,15 @@ class StepTable:
             raise ConfigError("tree_hook and hook_width go together")
         if not plain and not shapes:
             raise ConfigError("a step table needs the plain step or at least one speculative shape")
+        if isinstance(draft_sync, str):
+            try:
+                draft_sync = DraftSync(draft_sync)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if not isinstance(draft_sync, DraftSync):
+            raise ConfigError(f"draft_sync must be a DraftSync or its mode, got {type(draft_sync).__name__}")
+        # Without a draft there is nothing to keep in sync.
+        self.draft_sync = draft_sync if draft is not None else DraftSync("eager")
         self.plain, self.sampled = plain, sampled
         self.target, self.draft, self.shapes = target, draft, shapes
         self.batch_buckets = tuple(batch_buckets)
@@ -214,7 +226,7 @@ class StepTable:
 
     def _state_spec(self, b: int) -> SpecState:
         return state_spec(self.target, self.draft, list(self.shapes), b, self.max_seq_len,
-                          cache_align=self.cache_align, hook_width=self.hook_width)
+                          cache_align=self.cache_align, hook_width=self.hook_width, deferred=self.draft_sync.deferred)
 
     def _batch_sharding(self, b: int, ndim: int) -> NamedSharding:
         """Arrays of ``b`` rows (axis 0): rows on "data" when it divides ``b`` (``sharding.batch_rules``)."""
@@ -351,7 +363,8 @@ class StepTable:
                 if shape is not None and self.time_phases:
                     def draft_phase(params, dcache, state, samp, shape=shape):
                         t, d = self._modules(params)
-                        return draft_phase_impl(t, d, dataclasses.replace(state, draft_cache=dcache), samp, cfg=shape, tree_hook=hook)
+                        return draft_phase_impl(t, d, dataclasses.replace(state, draft_cache=dcache), samp, cfg=shape, tree_hook=hook,
+                                                sync=self.draft_sync)
 
                     rest = dataclasses.replace(st, draft_cache=None)
                     rest_sh = dataclasses.replace(sh, draft_cache=None)
@@ -384,7 +397,8 @@ class StepTable:
                         def spec_step(params, state, samp, shape=shape, kw=kw):
                             t, d = self._modules(params)
                             return speculative_step_impl(t, d, state, samp, cfg=shape, kernel_impl=self.kernel_impl,
-                                                         check_finite=self.check_finite, tree_hook=hook, **kw)
+                                                         check_finite=self.check_finite, tree_hook=hook,
+                                                         sync=self.draft_sync, **kw)
 
                         jobs.append((f"speculative step batch {b} {shape.shape} {how}", ("step", b, shape, greedy),
                                      self._thunk(spec_step, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))

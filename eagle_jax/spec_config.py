@@ -17,6 +17,8 @@ from eagle_jax.errors import ConfigError
 #  "rejection": SGLang's tree speculative sampling (the Pallas kernel), with its
 #    threshold_single / threshold_acc relaxations.
 SAMPLING_VERIFY = ("coupled", "rejection")
+# How the draft follows plain steps and prefill (speculative.DraftSync).
+DRAFT_SYNC_MODES = ("eager", "deferred")
 
 
 @dataclasses.dataclass(frozen=True)

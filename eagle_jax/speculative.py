@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.draft import Eagle3Draft
-from eagle_jax.spec_config import SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
-from eagle_jax.model import KVCache, PrefixMask, TreeAttention
+from eagle_jax.spec_config import DRAFT_SYNC_MODES, SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
+from eagle_jax.model import KVCache, PrefixMask, TreeAttention, write_rows
 from eagle_jax.sharded_kernels import shard_rows
 from eagle_jax.target import ArraySpec, TargetModel, cache_len
 from eagle_jax.sampling import (
@@ -72,6 +72,50 @@ class SpecState:
     # sequences [B, L]; None in production. In the state so row inserts, gathers and
     # donation carry it like every other row.
     hook_data: Array | None = None
+    # Deferred draft sync (``DraftSync``; all three None when the draft is kept in sync
+    # eagerly): ``draft_len[b]`` positions have their draft KV written (the draft is in
+    # sync when it equals ``seq_lens[b]``; ``draft_hidden`` is valid only then), and
+    # position p < seq_len of row b waits with its draft input: the fused target feature
+    # ``pending_hidden[b, p]`` (``draft.fuse`` of f_p) and the token x_{p+1}
+    # ``pending_tokens[b, p]``. Prefill and plain steps write them instead of running the
+    # draft; the next speculative step catches up first (``catch_up_draft``).
+    draft_len: Int[Array, "B"] | None = None
+    pending_hidden: Float[Array, "B L H"] | None = None
+    pending_tokens: Int[Array, "B L"] | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return self.draft_len is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSync:
+    """How the draft follows the target on steps that do not speculate.
+
+    - ``eager``: prefill runs the draft over the prompt and every plain step runs a
+      1-token draft extend, so the draft is always ready (no extra memory).
+    - ``deferred``: prefill and plain steps only store the draft's inputs (one fused
+      feature of the draft's width and one token per position, ``[B, L, H]`` more
+      state); the next speculative step first runs the draft over what is pending, in
+      tiles of ``rows`` rows x ``width`` positions. A request that never speculates
+      never pays for the draft, and a catch-up of n positions costs the FLOPs of the n
+      extends it replaces while reading the draft's weights once per tile, not per token.
+    """
+
+    mode: str = "eager"
+    rows: int = 8
+    width: int = 16
+
+    def __post_init__(self):
+        if self.mode not in DRAFT_SYNC_MODES:
+            raise ValueError(f"draft sync mode {self.mode!r}; valid: {', '.join(DRAFT_SYNC_MODES)}")
+        if not (isinstance(self.rows, int) and self.rows >= 1 and isinstance(self.width, int) and self.width >= 1):
+            raise ValueError(f"draft sync tile rows={self.rows!r} x width={self.width!r}: both integers >= 1")
+
+    @property
+    def deferred(self) -> bool:
+        return self.mode == "deferred"
+
 
 
 @jax.tree_util.register_dataclass
@@ -204,6 +248,56 @@ def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens
     return h[jnp.arange(b), keep_row], cache
 
 
+def _store_pending(state: SpecState, fused: Float[Array, "B W H"], tokens: Int[Array, "B W"], start: Int[Array, "B"]) -> tuple:
+    """``pending_hidden/pending_tokens[b, start[b] + i] = fused/tokens[b, i]`` (positions
+    past the buffer dropped): the draft inputs a deferred sync keeps for later."""
+    w = tokens.shape[1]
+    slots = start[:, None] + jnp.arange(w)[None, :]
+    return (write_rows(state.pending_hidden, slots, fused), write_rows(state.pending_tokens, slots, tokens))
+
+
+def catch_up_draft(draft: Eagle3Draft, state: SpecState, sync: DraftSync) -> SpecState:
+    """Run the draft over every pending position (``draft_len <= p < seq_len``), so the
+    draft cache and ``draft_hidden`` are what eager syncing would have left. A no-op
+    (one comparison) when nothing is pending; an eager state is returned as is.
+
+    Loops on the device while any row is behind: each round takes the ``sync.rows`` rows
+    furthest behind and runs the draft over their next ``sync.width`` positions (a row's
+    positions past its ``seq_len`` compute but write nothing), so one freshly admitted
+    request in a full batch costs its own positions, not the batch's."""
+    if not state.deferred:
+        return state
+    b = state.seq_lens.shape[0]
+    r, w = min(sync.rows, b), sync.width
+    buf_len = state.pending_tokens.shape[1]
+    big = cache_len(state.draft_cache)  # slots past the cache: writes dropped
+
+    def behind(c):
+        dlen, seq = c[2], state.seq_lens
+        return jnp.any(dlen < seq)
+
+    def round_(c):
+        dcache, g, dlen = c
+        _, rows = jax.lax.top_k(state.seq_lens - dlen, r)  # distinct rows, furthest behind first
+        start = dlen[rows]
+        n = jnp.clip(state.seq_lens[rows] - start, 0, w)
+        pos = start[:, None] + jnp.arange(w)[None, :]
+        take = jnp.clip(pos, 0, buf_len - 1)
+        toks = jnp.take_along_axis(state.pending_tokens[rows], take, axis=1)
+        hid = jnp.take_along_axis(state.pending_hidden[rows], take[:, :, None], axis=1)
+        slots = jnp.where(jnp.arange(w)[None, :] < n[:, None], pos, big)
+        sub = jax.tree.map(lambda x: x[rows], dcache)
+        h, sub = draft(jnp.maximum(toks, 0), hid, pos, sub, slots, prefix_causal_mask(start, w, big))
+        dcache = jax.tree.map(lambda x, y: x.at[rows].set(y), dcache, sub)
+        last = h[jnp.arange(r), jnp.maximum(n - 1, 0)]
+        g = g.at[rows].set(jnp.where((n > 0)[:, None], last.astype(g.dtype), g[rows]))
+        return dcache, g, dlen.at[rows].add(n)
+
+    with jax.named_scope("draft_catch_up"):
+        dcache, g, dlen = jax.lax.while_loop(behind, round_, (state.draft_cache, state.draft_hidden, state.draft_len))
+    return dataclasses.replace(state, draft_cache=dcache, draft_hidden=g, draft_len=dlen)
+
+
 def verify_tree(
     target: TargetModel, cache, seq_lens: Int[Array, "B"], tree: Tree, *, tree_attention_impl: str | None = None
 ) -> tuple[Float[Array, "B T V"], Float[Array, "B T F"], object]:
@@ -293,19 +387,21 @@ TreeHook = Callable[["Tree", SpecState, SamplingArrays], "Tree"]
 
 def draft_phase_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, *,
-    cfg: SpeculativeConfig, tree_hook: TreeHook | None = None,
+    cfg: SpeculativeConfig, tree_hook: TreeHook | None = None, sync: DraftSync = DraftSync(),
 ) -> tuple[Tree, KVCache]:
-    """The draft phase of a speculative step: grow the tree (``draft_tree``), then let
-    ``tree_hook`` (if any) rewrite it.
+    """The draft phase of a speculative step: catch the draft up on what a deferred sync
+    left pending (``catch_up_draft``; nothing for an eager state), grow the tree
+    (``draft_tree``), then let ``tree_hook`` (if any) rewrite it.
 
-    Reads ``state.draft_cache``, ``state.draft_hidden``, ``state.seq_lens``, ``state.root``;
-    the target cache is untouched.
+    Reads ``state.draft_cache``, ``state.draft_hidden``, ``state.seq_lens``, ``state.root``
+    (and a deferred state's pending inputs); the target cache is untouched.
 
     Returns ``(tree, draft_cache)``: the ``Tree`` (``tokens``/``parents``/``depths``, each
     ``[B, T]``, slot 0 the root) and the draft cache with the tree nodes' draft KV written
     into the scratch slots above the prefix (same shapes as ``state.draft_cache``).
     """
     del target  # the draft phase never runs the target; the argument keeps phases uniform
+    state = catch_up_draft(draft, state, sync)
     with jax.named_scope("draft"):
         tree, dcache = draft_tree(draft, state.draft_cache, state, cfg)
         if tree_hook is not None:
@@ -340,14 +436,16 @@ def verify_phase_impl(
         tcache, acc_feats = commit_accepted(tcache, feats, seq, acc_index, acc_len, cfg)
     with jax.named_scope("draft_extend"):
         g, dcache = _draft_extend(draft, draft_cache, out, acc_feats, seq, acc_len - 1)
-    new_state = SpecState(
+    new_seq = jnp.minimum(seq + acc_len, max_seq_len)  # finished rows keep running; the clamp keeps writes in range
+    new_state = dataclasses.replace(
+        state,
         target_cache=tcache,
         draft_cache=dcache,
-        # Finished rows keep running until the batch ends; clamp keeps their writes in range.
-        seq_lens=jnp.minimum(seq + acc_len, max_seq_len),
+        seq_lens=new_seq,
         root=out[jnp.arange(out.shape[0]), acc_len - 1],
         draft_hidden=g,
-        hook_data=state.hook_data,
+        # The draft phase caught up and the extend above covered the emitted tokens.
+        draft_len=new_seq if state.deferred else None,
     )
     return new_state, out, acc_len, _finite_rows(logits) if check_finite else None
 
@@ -355,16 +453,17 @@ def verify_phase_impl(
 def speculative_step_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, *,
     cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto",
-    check_finite: bool = False, tree_hook: TreeHook | None = None,
+    check_finite: bool = False, tree_hook: TreeHook | None = None, sync: DraftSync = DraftSync(),
 ):
     """One speculative step: draft, verify, accept, commit, draft extend — the draft
     phase then the verify phase, traced into one graph (the default, fused step).
+    A deferred state first catches the draft up (``catch_up_draft``).
 
     Returns ``(state, out_tokens [B, S+1] (-1 padded), accept_length [B], finite)``; the
     emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
     only with ``check_finite``) says whether the row's verify logits were all finite.
     """
-    tree, dcache = draft_phase_impl(target, draft, state, samp, cfg=cfg, tree_hook=tree_hook)
+    tree, dcache = draft_phase_impl(target, draft, state, samp, cfg=cfg, tree_hook=tree_hook, sync=sync)
     return verify_phase_impl(
         target, draft, state, tree, dcache, samp, cfg=cfg, greedy_only=greedy_only, max_seq_len=max_seq_len,
         kernel_impl=kernel_impl, check_finite=check_finite,
@@ -376,7 +475,8 @@ def plain_step_impl(
     greedy_only: bool, max_seq_len: int, check_finite: bool = False,
 ):
     """A non-speculative step; with a draft (not None) it keeps the draft in
-    sync by a 1-token draft extend, so speculation can resume without losing acceptance.
+    sync by a 1-token draft extend, so speculation can resume without losing acceptance,
+    or, for a deferred state, only stores that extend's input (``SpecState.draft_len``).
 
     Returns ``(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)``.
     """
@@ -388,10 +488,15 @@ def plain_step_impl(
     )
     logits = target.logits(h[:, 0])
     nxt = sample_tokens(logits, samp, seq + 1, greedy_only=greedy_only)
-    g, dcache = None, None
-    if draft is not None:
+    new_seq = jnp.minimum(seq + 1, max_seq_len)
+    if draft is None:
+        new_state = dataclasses.replace(state, target_cache=tcache, seq_lens=new_seq, root=nxt)
+    elif state.deferred:
+        ph, pt = _store_pending(state, draft.fuse(feats), nxt[:, None], seq)
+        new_state = dataclasses.replace(state, target_cache=tcache, seq_lens=new_seq, root=nxt, pending_hidden=ph, pending_tokens=pt)
+    else:
         g, dcache = _draft_extend(draft, state.draft_cache, nxt[:, None], feats, seq, jnp.zeros_like(seq))
-    new_state = SpecState(tcache, dcache, jnp.minimum(seq + 1, max_seq_len), nxt, g, state.hook_data)
+        new_state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache, seq_lens=new_seq, root=nxt, draft_hidden=g)
     return new_state, nxt[:, None], jnp.ones_like(seq), _finite_rows(logits) if check_finite else None
 
 
@@ -414,18 +519,22 @@ def prefill_impl(
         return_features=draft is not None,
     )
     first = sample_tokens(target.logits(h[rows, lengths - 1]), samp, lengths, greedy_only=greedy_only)
+    state = dataclasses.replace(state, target_cache=tcache, seq_lens=lengths, root=first)
     if draft is None:
-        return SpecState(tcache, None, lengths, first, None, state.hook_data), first
+        return state, first
     # Draft pairs f_p with x_{p+1}: shift the prompt left and put the new token at len-1.
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     shifted = shifted.at[rows, lengths - 1].set(first)
+    if state.deferred:  # the draft runs over the prompt at the first speculative step, if any
+        ph, pt = _store_pending(state, draft.fuse(feats), shifted, zeros)
+        return dataclasses.replace(state, draft_len=zeros, pending_hidden=ph, pending_tokens=pt), first
     g, dcache = _draft_extend(draft, state.draft_cache, shifted, feats, zeros, lengths - 1)
-    return SpecState(tcache, dcache, lengths, first, g, state.hook_data), first
+    return dataclasses.replace(state, draft_cache=dcache, draft_hidden=g), first
 
 
 def state_spec(
     target: TargetModel, draft: Eagle3Draft | None, shapes: "list[SpeculativeConfig]", batch: int, max_seq_len: int,
-    *, cache_align: int = 1, hook_width: int = 0,
+    *, cache_align: int = 1, hook_width: int = 0, deferred: bool = False,
 ) -> SpecState:
     """The abstract step state (``ArraySpec`` leaves) for ``batch`` rows, sized for the
     largest of ``shapes`` so every compiled step shares one state layout.
@@ -433,7 +542,8 @@ def state_spec(
     The target cache holds ``max_seq_len`` plus one tree of the widest shape, rounded up
     to ``cache_align`` slots (the tree-attention kernel's block, on GPUs); the draft cache
     also holds the drafting scratch slots. ``hook_width`` > 0 adds a ``[B, hook_width]``
-    int32 ``hook_data`` (the oracle's reference rows)."""
+    int32 ``hook_data`` (the oracle's reference rows). ``deferred`` (with a draft) adds the
+    deferred sync's ``draft_len`` and pending inputs, ``max_seq_len`` positions each."""
     shapes = list(shapes) or [SpeculativeConfig(num_steps=1)]
     t_len = max_seq_len + max(c.num_draft_tokens for c in shapes)
     t_len = -(-t_len // cache_align) * cache_align
@@ -446,6 +556,15 @@ def state_spec(
         root=ArraySpec((batch,), jnp.dtype(jnp.int32), ("batch",)),
         draft_hidden=None if draft is None else ArraySpec((batch, draft.config.hidden_size), dtype, ("batch", "embed")),
         hook_data=ArraySpec((batch, hook_width), jnp.dtype(jnp.int32), ("batch", None)) if hook_width else None,
+        **(_deferred_spec(draft, batch, max_seq_len, dtype) if deferred and draft is not None else {}),
+    )
+
+
+def _deferred_spec(draft: Eagle3Draft, batch: int, max_seq_len: int, dtype) -> dict:
+    return dict(
+        draft_len=ArraySpec((batch,), jnp.dtype(jnp.int32), ("batch",)),
+        pending_hidden=ArraySpec((batch, max_seq_len, draft.config.hidden_size), dtype, ("batch", "cache_seq", "embed")),
+        pending_tokens=ArraySpec((batch, max_seq_len), jnp.dtype(jnp.int32), ("batch", "cache_seq")),
     )
 
 

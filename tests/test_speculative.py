@@ -2,6 +2,7 @@
 output distributed as the target's, across chain and tree configs and acceptance regimes."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -379,3 +380,52 @@ def test_smollm2_greedy_lossless(smollm2_dir, cfg):
         out = gen.generate(prompts, sp, oracle=oracle, oracle_noise=noise)
         assert [o.token_ids for o in out] == [r.token_ids for r in ref]
         assert [o.text for o in out] == [r.text for r in ref]
+
+
+def test_deferred_draft_sync_catches_up_to_what_eager_sync_leaves(target, draft, prompts):
+    """Prefill and plain steps of a deferred state store the draft's inputs; the catch-up
+    (small tiles here, so rows and positions take several rounds) leaves the draft cache,
+    ``draft_hidden`` and the next speculative step what eager syncing leaves."""
+    from eagle_jax.sampling import SamplingArrays
+    from eagle_jax.speculative import (
+        DraftSync, catch_up_draft, plain_step_impl, prefill_impl, speculative_step_impl, state_spec,
+    )
+    from eagle_jax.target import init_from_spec
+
+    cfg, max_len, p = SpeculativeConfig(num_steps=3), 48, 16
+    rows = [prompts[i] for i in (1, 2, 4)]  # 13, 2 and 16 tokens: rows differ in what is pending
+    tokens = np.zeros((3, p), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    samp = SamplingArrays.build([SamplingParams()] * 3, 3)
+    sync = DraftSync("deferred", rows=2, width=3)
+    states = {}
+    for mode in ("eager", "deferred"):
+        st = init_from_spec(state_spec(target, draft, [cfg], 3, max_len, deferred=mode == "deferred"))
+        st, _ = prefill_impl(target, draft, st, jnp.asarray(tokens), lengths, samp, greedy_only=True)
+        for _ in range(4):
+            st, *_ = plain_step_impl(target, draft, st, samp, greedy_only=True, max_seq_len=max_len)
+        states[mode] = st
+    eager, deferred = states["eager"], states["deferred"]
+    assert not eager.deferred and eager.pending_hidden is None
+    np.testing.assert_array_equal(deferred.draft_len, 0)  # nothing of the draft ran yet
+    np.testing.assert_array_equal(deferred.seq_lens, eager.seq_lens)
+    caught = catch_up_draft(draft, deferred, sync)
+    seq = np.asarray(eager.seq_lens)
+    np.testing.assert_array_equal(caught.draft_len, seq)
+    np.testing.assert_allclose(caught.draft_hidden, eager.draft_hidden, atol=2e-5, rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(caught.draft_cache), jax.tree.leaves(eager.draft_cache)):
+        for r in range(3):  # the committed prefix; slots above it are scratch
+            np.testing.assert_allclose(np.asarray(a)[r, : seq[r]], np.asarray(b)[r, : seq[r]], atol=2e-5, rtol=1e-4)
+    # An in-sync deferred state is left as it is (no round runs).
+    again = catch_up_draft(draft, caught, sync)
+    np.testing.assert_array_equal(again.draft_hidden, caught.draft_hidden)
+    # The speculative step catches up by itself and then matches the eager one.
+    outs = [speculative_step_impl(target, draft, s, samp, cfg=cfg, greedy_only=True, max_seq_len=max_len, sync=sync)
+            for s in (eager, deferred)]
+    (se, te, ae, _), (sd, td, ad, _) = outs
+    np.testing.assert_array_equal(td, te)
+    np.testing.assert_array_equal(ad, ae)
+    np.testing.assert_array_equal(sd.draft_len, sd.seq_lens)
+    np.testing.assert_allclose(sd.draft_hidden, se.draft_hidden, atol=2e-5, rtol=1e-4)
