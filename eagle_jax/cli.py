@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "chains S=1..5 and trees S=2 k=4 T=6, S=3 k=4 T=8, S=4 k=4 T=12); fewer compile faster")
     g.add_argument("--spec-calibration-s", type=float, default=20.0, metavar="SECONDS",
                    help="auto's start-up timing budget (default 20)")
+    g.add_argument("--draft-sync", choices=("auto", "eager", "deferred"), default="auto",
+                   help="how the draft follows plain steps and prefill: eager (runs the draft on every one), deferred "
+                        "(stores its inputs; the next speculative step runs the draft over them), auto (default: "
+                        "deferred where the policy runs plain and speculates, on one device)")
     # Fixed shape defaults: tied fastest (with chain S=2) for the released SmolLM2 draft on a 2-core CPU.
     g.add_argument("--steps", type=_positive_int, default=None, help="fixed shape: draft steps S (tree depth; default 3)")
     g.add_argument("--topk", type=_positive_int, default=None, help="fixed shape: draft branching k (1 = chain; default 4)")
@@ -255,6 +259,7 @@ def cmd_generate(args) -> int:
         time_phases=args.time_phases and spec is not None,
         mesh=args.mesh,
         draft_sharding=args.draft_sharding,
+        draft_sync=args.draft_sync,
     )
     enable_compilation_cache()
     engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())

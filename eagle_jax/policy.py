@@ -49,7 +49,8 @@ class SpeculationPolicy(Protocol):
 
     # Optional (the engine calls them when a policy has them; ``AutoPolicy`` does):
     #   calibrate(time_step, buckets) -> str | None: once the step table is built;
-    #     ``time_step(bucket, shape)`` runs one compiled step on an empty state and returns
+    #     ``time_step(bucket, shape)`` runs one compiled step on a fresh state (rows at the
+    #     engine's calibration context, ``EngineConfig.spec_calibration_context``) and returns
     #     its seconds; the returned line goes into the start-up log.
     #   predicted_tokens_per_second(bucket, shape) -> float | None: what the policy
     #     expects ``shape`` to deliver in a full ``bucket`` (reported beside the measured).
@@ -256,8 +257,16 @@ class AutoPolicy:
     - Exploration: every ``explore_every`` steps of a bucket, the option with the best
       optimistic rate (one posterior standard deviation up, and ``timing_doubt`` faster
       while its step time is only the calibration's) runs once if that beats the
-      current one's prediction, so a prior that was wrong is corrected and stale
-      timings are refreshed; the cost is at most one step in ``explore_every``.
+      current one's prediction for ``probe_steps`` consecutive steps (the first step
+      after a switch is not a steady one and is not timed; the others are), so a prior
+      that was wrong is corrected and stale timings are refreshed. Each probe that leaves the bucket's choice as it was
+      doubles the gap to the next one, up to ``explore_max`` steps (default 256, or
+      ``explore_every`` if longer); a change of choice
+      resets it. A probe is dearer than its step: the first step of another graph runs
+      slower than a steady one, and under a deferred draft sync a speculative probe in
+      a bucket held plain first runs the draft over everything since the last one. So
+      the cost falls from one step in ``explore_every`` to one in ``explore_max``
+      where the choice is settled.
     """
 
     runs_plain = True
@@ -266,7 +275,7 @@ class AutoPolicy:
     def __init__(
         self, shapes: Sequence[SpeculativeConfig], *, prior: Sequence[float] | None = None, prior_weight: float = 16.0,
         uninformed_weight: float = 4.0, margin: float = 0.03, hysteresis: int = 4, explore_every: int = 16,
-        timing_doubt: float = 0.1,
+        explore_max: int | None = None, probe_steps: int = 2, timing_doubt: float = 0.1,
         calibration_budget_s: float = 20.0, calibration_rounds: int = 5,
     ):
         shapes = tuple(dict.fromkeys(shapes))
@@ -284,14 +293,20 @@ class AutoPolicy:
                 raise ConfigError(f"{name}={v!r} must be > 0")
         if not 0 <= margin < 1:
             raise ConfigError(f"margin={margin!r} must be in [0, 1)")
-        for name, v in (("hysteresis", hysteresis), ("explore_every", explore_every), ("calibration_rounds", calibration_rounds)):
+        for name, v in (("hysteresis", hysteresis), ("explore_every", explore_every), ("calibration_rounds", calibration_rounds),
+                        ("probe_steps", probe_steps)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+        if explore_max is None:  # 16 doublings' worth of the default gap, or no back-off past a longer one
+            explore_max = max(256, explore_every)
+        if not isinstance(explore_max, int) or explore_max < explore_every:
+            raise ConfigError(f"explore_max={explore_max!r} must be an integer >= explore_every={explore_every}")
         if not calibration_budget_s > 0:
             raise ConfigError(f"calibration_budget_s={calibration_budget_s!r} must be > 0")
         self.shapes = shapes
         self.prior_source = "model card" if prior is not None else "none (0.5 per depth)"
-        self.margin, self.hysteresis, self.explore_every = margin, hysteresis, explore_every
+        self.margin, self.hysteresis, self.explore_every, self.explore_max = margin, hysteresis, explore_every, explore_max
+        self.probe_steps = probe_steps
         if not 0 <= timing_doubt < 1:
             raise ConfigError(f"timing_doubt={timing_doubt!r} must be in [0, 1)")
         self.timing_doubt = timing_doubt
@@ -306,6 +321,8 @@ class AutoPolicy:
         self._current: dict = {}  # bucket -> the choice in force
         self._challenger: dict = {}  # bucket -> (option, consecutive steps it was predicted better)
         self._steps: dict = {}  # bucket -> steps chosen
+        self._next_probe: dict = {}  # bucket -> (step number of the next probe, gap that led to it)
+        self._probe_left: dict = {}  # bucket -> (the option being probed, steps of the probe still to run)
         self._last_observed: dict = {}  # bucket -> the shape of the step observed last
         self.measured: dict = {}  # (bucket, shape) -> [tokens, seconds, steps] over timed steps
 
@@ -400,6 +417,10 @@ class AutoPolicy:
 
     def choose(self, bucket: int) -> SpeculativeConfig | None:
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        probe, left = self._probe_left.get(bucket, (None, 0))
+        if left > 0:  # a probe runs on: its later steps are the timed ones
+            self._probe_left[bucket] = (probe, left - 1)
+            return probe
         best = self.best(bucket)
         if bucket not in self._current:
             self._current[bucket] = best
@@ -416,13 +437,19 @@ class AutoPolicy:
                               _name(cur), _name(best), rate(bucket, best), rate(bucket, cur))
                     self._current[bucket] = cur = best
                     self._challenger.pop(bucket, None)
+                    self._next_probe[bucket] = (n + self.explore_every, self.explore_every)  # unsettled again
             else:
                 self._challenger.pop(bucket, None)
         else:
             self._challenger.pop(bucket, None)
-        if n % self.explore_every == 0:
+        at, gap = self._next_probe.setdefault(bucket, (self.explore_every, self.explore_every))
+        if n >= at:
+            # The gap doubles at each probe while the choice stands (reset on a switch above).
+            gap = min(2 * gap, self.explore_max)
+            self._next_probe[bucket] = (n + gap, gap)
             worth, probe = self._probe(bucket, cur)
             if worth:
+                self._probe_left[bucket] = (probe, self.probe_steps - 1)
                 return probe
         return cur
 
@@ -489,7 +516,8 @@ class AutoPolicy:
 
     def describe(self) -> str:
         return (f"auto over plain and {', '.join(s.shape for s in self.shapes)} (acceptance prior: {self.prior_source}; "
-                f"margin {self.margin:g}, hysteresis {self.hysteresis}, explore every {self.explore_every} steps)")
+                f"margin {self.margin:g}, hysteresis {self.hysteresis}, explore every {self.explore_every} steps, "
+                f"backing off to {self.explore_max} while the choice stands, {self.probe_steps} steps a probe)")
 
 
 def _monotone(seconds: dict, buckets: Sequence[int], shapes: Sequence[SpeculativeConfig]) -> dict:

@@ -501,12 +501,20 @@ class StepTable:
         finite [B] or None)``; the state is donated."""
         return self._get(("step", state.seq_lens.shape[0], shape, greedy))(self.params, state, samp)
 
-    def time_step(self, b: int, shape: SpeculativeConfig | None) -> float:
-        """Seconds of one greedy step of ``shape`` (None: plain) on a fresh empty state of
-        ``b`` rows, from launch to results ready (what a cost model calibrates on)."""
+    def time_step(self, b: int, shape: SpeculativeConfig | None, context: int = 0) -> float:
+        """Seconds of one greedy step of ``shape`` (None: plain) on a fresh state of ``b``
+        rows whose every row holds ``context`` committed positions (zeroed KV: what the
+        attention costs does not depend on the values; a deferred draft counts as in
+        sync), from launch to results ready (what a cost model calibrates on)."""
         from eagle_jax.sampling import SamplingParams
 
-        state = jax.block_until_ready(self.zeros(b))
+        if not (isinstance(context, int) and 0 <= context < self.max_seq_len):
+            raise ConfigError(f"calibration context={context!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
+        state = self.zeros(b)
+        if context:
+            seq = jax.device_put(np.full(b, context, np.int32), state.seq_lens.sharding)
+            state = dataclasses.replace(state, seq_lens=seq, draft_len=seq if state.deferred else None)
+        state = jax.block_until_ready(state)
         samp = jax.block_until_ready(self.sampling([SamplingParams()] * b, b))
         t0 = time.perf_counter()
         if shape is not None and self.time_phases:  # the step is compiled as its two phases

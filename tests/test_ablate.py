@@ -46,12 +46,25 @@ def _config(tiny, grid: str, extra: str = "") -> str:
     ('draft = "d"\ntopk = 4\n[grid]\nsteps = [2]', r"topk=4 needs draft_tokens"),
     ('draft = "d"\npolicy = "auto"\n[grid]\nsteps = [2]', r"policy='auto' picks among its own candidate shapes"),
     ('[grid\nsteps = [1]', r"not valid TOML"),
+    ('draft = "d"\n[grid]\nsteps = [2]\ndraft_sync = ["lazy"]', r"draft_sync='lazy'; valid: eager, deferred"),
 ])
 def test_bad_config_is_named_before_anything_runs(tmp_path, text, message):
     f = tmp_path / "bad.toml"
     f.write_text(text)
     with pytest.raises(ConfigError, match=message):
         ablate.load_config(f)
+
+
+def test_an_unset_draft_sync_keeps_the_point_keys_of_earlier_sweeps(tmp_path):
+    """Fields added later with no default leave the keys of points that do not set them as
+    they were, so committed points files still resume."""
+    f = tmp_path / "k.toml"
+    f.write_text('draft = "d"\n[grid]\nsteps = [2]\n')
+    [p] = ablate.load_config(f).points
+    assert "draft_sync" not in json.loads(p.key)
+    f.write_text('draft = "d"\ndraft_sync = "eager"\n[grid]\nsteps = [2]\n')
+    [q] = ablate.load_config(f).points
+    assert json.loads(q.key)["draft_sync"] == "eager" and q.key != p.key
 
 
 def test_grid_points_are_the_product_with_fixed_values(tmp_path):

@@ -210,7 +210,8 @@ def test_start_up_logs_what_is_on(target, draft, caplog):
     with caplog.at_level(logging.INFO, logger="eagle_jax.engine"):
         Engine(target, draft, EngineConfig(max_batch=2, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC, spec_disable_batch_threshold=1), progress=False)
     [line] = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    for part in ("chain S=3", "off above padded batch 1", "batch buckets (1, 2)", "prompt buckets (32,)", "dtype float32", "graphs compiled"):
+    for part in ("chain S=3", "off above padded batch 1", "batch buckets (1, 2)", "prompt buckets (32,)", "dtype float32", "graphs compiled",
+                 "draft sync deferred (plain steps and prefill store the draft's inputs", "draft_sync=auto"):
         assert part in line
 
 
@@ -300,6 +301,7 @@ def test_speculation_without_draft_is_rejected(target):
     "kwargs, field",
     [
         (dict(max_batch=0), "max_batch"),
+        (dict(draft_sync="lazy"), "draft_sync"),
         (dict(max_seq_len=1), "max_seq_len"),
         (dict(max_batch=4, batch_buckets=(1, 2)), "batch_buckets"),
         (dict(batch_buckets=(2, 1, 8)), "batch_buckets"),

@@ -152,12 +152,45 @@ def test_exploration_tries_an_untested_tree():
     p.calibrate(_times(plain_ms=10, per_token_ms=2, tree_ms=16), buckets=[1])
     for _ in range(3):  # plain measured in the loop
         p.observe(1, None, np.array([1]), 0.010)
-    picks = [p.choose(1) for _ in range(10)]
-    assert picks[4] == TREE and picks[9] == TREE and picks.count(TREE) == 2
+    picks = [p.choose(1) for _ in range(20)]
+    # Two-step probes at steps 5 and 15: the gap doubles after a probe that left the choice as it was.
+    assert picks[4:6] == [TREE, TREE] and picks[14:16] == [TREE, TREE] and picks.count(TREE) == 4
     # The tree accepts everything it drafts: its estimate rises and it becomes the choice.
     for _ in range(20):
         p.observe(1, TREE, np.array([4]), None)
     assert p.best(1) == TREE
+
+
+def test_exploration_backs_off_while_the_choice_stands_and_resets_on_a_switch():
+    """Plain in force and a competitor the optimistic bound keeps worth a look: probes at
+    steps 16, 48, 112, 240, then every 256 (the gap doubles up to explore_max), not every
+    16. A change of choice makes the bucket unsettled again: the next probe comes
+    explore_every steps after the switch."""
+    # A prior worth 10^4 rows: the probes' own rows hardly move it; 1.2 tokens per 13 ms
+    # loses to plain's 1 per 10 ms, and wins in hope only by the 10% timing doubt.
+    p = AutoPolicy(CHAINS[:1], prior=[0.2], prior_weight=1e4, hysteresis=2, explore_every=16, explore_max=256)
+    p.calibrate(_times(plain_ms=10, per_token_ms=3), buckets=[1])
+    for _ in range(3):
+        p.observe(1, None, np.array([1]), 0.010)
+    assert p.best(1) is None
+    picks = []
+    for _ in range(1000):
+        s = p.choose(1)
+        picks.append(s)
+        p.observe(1, s, np.array([1]), None)  # the chain accepts nothing
+    probes = [i + 1 for i, s in enumerate(picks) if s is not None]
+    starts = [16, 48, 112, 240, 496, 752]
+    assert probes == [s + i for s in starts for i in (0, 1)], probes  # two steps a probe
+    # The draft turns out to accept everything: the estimate rises past the hysteresis and
+    # the bucket switches to the chain; exploration restarts at explore_every.
+    p.observe(1, CHAINS[0], np.full(20000, 2), None)
+    n0 = len(picks)
+    assert [p.choose(1) for _ in range(2)] == [None, CHAINS[0]]  # the switch at step n0 + 2
+    assert p._next_probe[1] == (n0 + 2 + 16, 16)  # was (752 + 256, 256)
+    assert [p.choose(1) for _ in range(30)] == [CHAINS[0]] * 30  # plain is not worth a probe now
+    assert p._next_probe[1] == (n0 + 2 + 16 + 32, 32)
+    with pytest.raises(ConfigError, match="explore_max"):
+        AutoPolicy(CHAINS[:1], explore_every=16, explore_max=8)
 
 
 def test_bad_settings_and_shapes_are_named(tmp_path):
@@ -298,8 +331,8 @@ def test_exploration_measures_a_close_competitor_timed_only_at_start_up():
     t = {None: 0.010, CHAINS[0]: 0.0150, CHAINS[1]: 0.0166}  # rates 100, 100, 105.4 tokens/s per row
     p.calibrate(lambda b, s: t[s], buckets=[1])
     assert p.best(1) == CHAINS[1]
-    picks = [p.choose(1) for _ in range(4)]
-    assert picks[3] in (None, CHAINS[0])  # the untimed competitors are worth one real step
+    picks = [p.choose(1) for _ in range(5)]
+    assert picks[3] in (None, CHAINS[0]) and picks[4] == picks[3]  # the untimed competitors are worth a probe
     for shape in (None, CHAINS[0], CHAINS[1]):
         for _ in range(4):  # steady runs of each (the first after a switch does not count)
             p.observe(1, shape, np.array([1 if shape is None else 2]), t[shape] * 1.2)

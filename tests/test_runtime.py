@@ -132,12 +132,14 @@ class _Cycle:
         return "cycle"
 
 
-def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, draft):
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, draft, sync):
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     ref = Generator(target, buckets=Buckets(batch=(4,), prompt=(16,), cache=(64,))).generate(prompts, _greedy(30))
     policy = _Cycle()
-    eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=4, max_seq_len=64, prompt_buckets=(16,), speculative=SPEC),
-                 policy=policy, progress=False)
+    eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=4, max_seq_len=64, prompt_buckets=(16,), speculative=SPEC,
+                                             draft_sync=sync), policy=policy, progress=False)
+    assert eng._table.draft_sync.mode == sync
     out = eng.generate(prompts, _greedy(30))
     assert [c.token_ids for c in out] == [r.token_ids for r in ref]
     shapes_seen = {s for _, s, _ in policy.seen}
@@ -147,7 +149,8 @@ def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, dr
     assert {k.split(": ")[1] for k in by_bucket} == {"plain", SPEC.shape, TREE.shape}
 
 
-def test_switching_shapes_keeps_seeded_sampling_and_compiles_nothing(target, draft):
+@pytest.mark.parametrize("sync", ["eager", "deferred"])
+def test_switching_shapes_keeps_seeded_sampling_and_compiles_nothing(target, draft, sync):
     """Sampled requests under a policy that switches every step: each request's tokens
     equal plain decoding's with the same seeds (coupled verification draws with the
     uniforms plain decoding uses), and switching among every compiled step compiles nothing."""
@@ -157,7 +160,7 @@ def test_switching_shapes_keeps_seeded_sampling_and_compiles_nothing(target, dra
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3)]
     cfg = dict(max_batch=4, max_seq_len=64, batch_buckets=(4,), prompt_buckets=(16,))
     plain = Engine(target, None, EngineConfig(speculative=None, **cfg), progress=False).generate(prompts, params)
-    eng = Engine(target, draft, EngineConfig(speculative=SPEC, **cfg), policy=_Cycle(), progress=False)
+    eng = Engine(target, draft, EngineConfig(speculative=SPEC, draft_sync=sync, **cfg), policy=_Cycle(), progress=False)
     before = compile_count()
     out = eng.generate(prompts, params)
     assert compile_count() == before
