@@ -512,8 +512,9 @@ class StepTable:
             raise ConfigError(f"calibration context={context!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
         state = self.zeros(b)
         if context:
-            seq = jax.device_put(np.full(b, context, np.int32), state.seq_lens.sharding)
-            state = dataclasses.replace(state, seq_lens=seq, draft_len=seq if state.deferred else None)
+            put = lambda: jax.device_put(np.full(b, context, np.int32), state.seq_lens.sharding)  # noqa: E731
+            # Two buffers: the state is donated, and one buffer cannot be donated twice.
+            state = dataclasses.replace(state, seq_lens=put(), draft_len=put() if state.deferred else None)
         state = jax.block_until_ready(state)
         samp = jax.block_until_ready(self.sampling([SamplingParams()] * b, b))
         t0 = time.perf_counter()
