@@ -117,7 +117,6 @@ class DraftSync:
         return self.mode == "deferred"
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Tree:
