@@ -29,9 +29,23 @@ def load(path: Path) -> list[dict]:
     return out
 
 
+def in_config_order(recs: list[dict], name: str, field: str) -> list:
+    """The values of ``field`` among ``recs``, in the order of the shipped config's grid
+    (a point rerun later is appended to the points file, not put back in its place);
+    values the config does not list follow in the order they appear."""
+    seen = list(dict.fromkeys(r["point"][field] for r in recs))
+    config = Path(__file__).resolve().parent / "ablations" / f"{name}.toml"
+    if not config.is_file():
+        return seen
+    import tomllib
+
+    order = [v for v in tomllib.loads(config.read_text()).get("grid", {}).get(field, []) if v in seen]
+    return order + [v for v in seen if v not in order]
+
+
 def eagle_table(recs: list[dict]) -> str:
-    suites = list(dict.fromkeys(r["point"]["suite"] for r in recs))
-    shapes = list(dict.fromkeys(r["point"]["shape"] for r in recs))
+    suites = in_config_order(recs, "eagle_table", "suite")
+    shapes = in_config_order(recs, "eagle_table", "shape")
     cell = {(r["point"]["shape"], r["point"]["suite"]): r["result"] for r in recs}
     rows = ["| shape | " + " | ".join(suites) + " |", "|---|" + "---:|" * len(suites)]
     for s in shapes:
