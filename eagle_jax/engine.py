@@ -973,8 +973,9 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     if config.max_seq_len > limit:
         raise ConfigError(f"max_seq_len={config.max_seq_len} exceeds the target's max_position_embeddings={limit}")
     tokenizer = _tokenizer_for(target_path, tokenizer)
-    # A draft without speculation still runs: the plain step keeps it in sync (a policy
-    # may switch speculation on); with no shapes and no policy need for it, drop it.
+    # A draft without speculation still runs: plain steps keep it in sync, eagerly or
+    # deferred (EngineConfig.draft_sync; a policy may switch speculation on); with no
+    # shapes and no policy need for it, drop it.
     table = StepTable(
         target, draft if shapes else None, shapes=shapes, batch_buckets=config.batch_buckets,
         prompt_buckets=config.prompt_buckets, max_seq_len=config.max_seq_len,

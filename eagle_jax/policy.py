@@ -1,10 +1,11 @@
 """Speculation policies: which compiled step the engine runs for the current batch bucket.
 
 The engine asks ``choose(bucket)`` before every step and gets a ``SpeculativeConfig`` (a
-speculative step of that shape) or None (the plain step; the draft stays in sync). After
-the step's results are read it calls ``observe(...)`` with what happened. Every shape a
-policy can return is listed in ``shapes``, so the step table compiles them all at
-start-up; returning anything else is a bug the engine reports.
+speculative step of that shape) or None (the plain step; the draft follows, eagerly or
+deferred: ``EngineConfig.draft_sync``). After the step's results are read it calls
+``observe(...)`` with what happened. Every shape a policy can return is listed in
+``shapes``, so the step table compiles them all at start-up; returning anything else is a
+bug the engine reports.
 
 ``ThresholdPolicy`` is the seed system's ``--spec-disable-batch-threshold`` with
 hysteresis; ``FixedPolicy`` always speculates with one shape; ``PlainPolicy`` never does.
