@@ -983,7 +983,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         check_finite=config.detect_nan, time_phases=config.time_phases, tree_hook=draft_hook, hook_width=hook_width,
         plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align, mesh=mesh,
         draft_sharding=config.draft_sharding,
-        draft_sync=resolve_draft_sync(config.draft_sync, policy, mesh.size) if shapes else "eager",
+        draft_sync=resolve_draft_sync(config.draft_sync, policy, mesh.size),  # the table ignores it without a draft
     )
     report = table.build(progress)
     calibrate = getattr(policy, "calibrate", None)
