@@ -243,9 +243,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
             if with_hf:
                 r["speedup_over_transformers"] = med[r["system"]] / med["transformers"]
         by_batch.append({"batch_size": b, "rows": rows})
-        log(f"batch {b}: " + "; ".join(f"{r['system']} {r['tokens_per_second']['median']:.1f} tok/s"
-                                       + (f" (accept {r['mean_accept_length']:.2f})" if "mean_accept_length" in r else "")
-                                       for r in rows))
+        log(summary_line(b, rows))
     return {
         "command": command_line(args),
         "suite": suite.name,
@@ -274,6 +272,19 @@ def _transformers_wanted(mode: str) -> bool:
 # ----------------------------------------------------------------------------- reports
 
 
+def _accept(row: dict[str, Any]) -> str | None:
+    """The row's mean accept length, formatted; None for transformers and plain, and for a
+    policy that ran plain through the whole timed pass (no speculative step to average)."""
+    acc = row.get("mean_accept_length")
+    return None if acc is None else f"{acc:.2f}"
+
+
+def summary_line(batch_size: int, rows: list[dict[str, Any]]) -> str:
+    return f"batch {batch_size}: " + "; ".join(
+        f"{r['system']} {r['tokens_per_second']['median']:.1f} tok/s" + (f" (accept {a})" if (a := _accept(r)) else "")
+        for r in rows)
+
+
 def markdown(report: dict[str, Any]) -> str:
     with_hf = any(r["kind"] == "transformers" for b in report["batches"] for r in b["rows"])
     head = "| batch | system | tok/s median [min, max] | accept length | speedup vs plain |"
@@ -291,7 +302,7 @@ def markdown(report: dict[str, Any]) -> str:
     for b in report["batches"]:
         for r in b["rows"]:
             t = r["tokens_per_second"]
-            acc = f"{r['mean_accept_length']:.2f}" if "mean_accept_length" in r else "-"
+            acc = _accept(r) or "-"
             line = (f"| {b['batch_size']} | {r['system']} | {t['median']:.1f} [{t['min']:.1f}, {t['max']:.1f}] | {acc} | "
                     f"{r['speedup_over_plain']:.2f}x |")
             if with_hf:
