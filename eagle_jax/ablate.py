@@ -544,10 +544,21 @@ def _machine(record: dict) -> str:
     return record.get("fingerprint", {}).get("boot_id") or "unrecorded"
 
 
+def speedup_series(records: list[dict], name) -> dict[str, dict[int, float]]:
+    """{name(record): {batch size: speedup over the plain run inside that point}} for the
+    speculative points of a sweep with batch_size in its grid."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        if "speedup" in r["result"]:
+            out.setdefault(name(r), {})[r["point"]["batch_size"]] = r["result"]["speedup"]
+    return out
+
+
 def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, ...] | None = None) -> None:
     """Accept length against steps (per topk), tokens/s against batch size (per setting,
-    plain included), acceptance by depth per point: the panels the grid has data for
-    (``only``: those of "accept", "batch", "depth" named)."""
+    plain included) and the speedup over plain against batch size, acceptance by depth per
+    point: the panels the grid has data for (``only``: those of "accept", "batch",
+    "speedup", "depth" named)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -559,6 +570,8 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
         panels.append("accept")
     if "batch_size" in sweep.grid:
         panels.append("batch")
+        if spec:
+            panels.append("speedup")
     if spec:
         panels.append("depth")
     if only is not None:
@@ -568,6 +581,12 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
 
     def group(r, drop=()):
         return ", ".join(f"{k}={r['point'].get(k)}" for k in others if k not in drop) or "all"
+
+    def setting(r):
+        pt = r["point"]
+        # auto names no shape (it picks among its own candidates)
+        shape = pt.get("shape") or (f"steps={pt['steps']}" if pt.get("steps") else "")
+        return f"{pt['policy']} {shape}".strip() + f" ({group(r, ('policy',))})"
 
     for ax, panel in zip(axes[0], panels):
         if panel == "accept":
@@ -589,11 +608,7 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
                 # Plain is measured beside every point: its line is the median of those runs.
                 plain.setdefault(f"plain ({group(r, ('policy',))})", {}).setdefault(b, []).append(res["plain"]["median"])
                 if "speedup" in res:
-                    pt = r["point"]
-                    # auto names no shape (it picks among its own candidates)
-                    setting = pt.get("shape") or (f"steps={pt['steps']}" if pt.get("steps") else "")
-                    series.setdefault(f"{pt['policy']} {setting}".strip() + f" ({group(r, ('policy',))})", {})[b] = \
-                        res["speculative"]["median"]
+                    series.setdefault(setting(r), {})[b] = res["speculative"]["median"]
             for name, pts in plain.items():
                 xs = sorted(pts)
                 ax.plot(xs, [statistics.median(pts[x]) for x in xs], "k--", label=name)
@@ -610,6 +625,19 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
             ax.set_xticks(bs, [str(b) for b in bs])
             ax.set_xlabel("batch size")
             ax.set_ylabel("tokens/s (median)")
+        elif panel == "speedup":
+            # Over the plain run inside the same point: the figure to compare across points
+            # taken hours apart, when the machine's own speed drifts by a few percent.
+            series = speedup_series(spec, setting)
+            ax.axhline(1.0, color="k", ls="--", lw=1, label="plain (same point)")
+            for name, pts in series.items():
+                xs = sorted(pts)
+                ax.plot(xs, [pts[x] for x in xs], "o-", label=name)
+            ax.set_xscale("log", base=2)
+            bs = sorted({r["point"]["batch_size"] for r in records})
+            ax.set_xticks(bs, [str(b) for b in bs])
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("speedup over plain (median tok/s ratio)")
         else:
             # One line per point while the legend stays readable; past that, one colour per
             # group (the grid's other fields) and a line style per shape kind.

@@ -107,15 +107,17 @@ def main() -> None:
 
 
 def batch_plot(recs_by_name: dict[str, list[dict]], path: Path) -> None:
-    """The three batch sweeps in one tokens/s-against-batch-size panel (plain, each fixed
-    shape, the threshold policy, auto), drawn by ``eagle-jax ablate``'s own plotting."""
+    """The three batch sweeps in one plot (plain, each fixed shape, the threshold policy,
+    auto): tokens/s against batch size, and the speedup over the plain run inside each
+    point; drawn by ``eagle-jax ablate``'s own plotting."""
     from eagle_jax.ablate import Sweep, save_plots
 
     recs = [r for rs in recs_by_name.values() for r in rs]
     sizes = sorted({r["point"]["batch_size"] for r in recs})
     grid = {"batch_size": sizes, "policy": sorted({r["point"]["policy"] for r in recs})}
-    # Only the batch panel: the accept and depth panels belong to each sweep's own plot.
-    save_plots(Sweep(name="the batch sweeps", fixed={}, grid=grid, points=(), sha256=""), recs, path, only=("batch",))
+    # The batch and speedup panels: the accept and depth panels belong to each sweep's own plot.
+    save_plots(Sweep(name="the batch sweeps", fixed={}, grid=grid, points=(), sha256=""), recs, path,
+               only=("batch", "speedup"))
 
 
 if __name__ == "__main__":

@@ -189,6 +189,8 @@ def test_policy_points_say_what_ran(tmp_path):
     assert "| chain S=2 30 |" in table and "| plain 25, chain S=2 10 |" in table
     ablate.save_plots(sweep, recs, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    recs[1]["result"]["speedup"] = 0.95
+    assert ablate.speedup_series(recs, lambda r: r["point"]["policy"]) == {"threshold": {1: 1.0, 4: 0.95}}
     # Above its cutoff the policy ran plain throughout: no accept length, still a line,
     # a table row and a plot (a sweep once stopped here on formatting None).
     off = rec(4, {"4: plain": 40}, 88.0)
