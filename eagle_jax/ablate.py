@@ -588,6 +588,12 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
         shape = pt.get("shape") or (f"steps={pt['steps']}" if pt.get("steps") else "")
         return f"{pt['policy']} {shape}".strip() + f" ({group(r, ('policy',))})"
 
+    def batch_axis(ax):
+        ax.set_xscale("log", base=2)
+        bs = sorted({r["point"]["batch_size"] for r in records})
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.set_xlabel("batch size")
+
     for ax, panel in zip(axes[0], panels):
         if panel == "accept":
             series: dict = {}
@@ -620,10 +626,7 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
                 if r["point"].get("policy") in ("auto", "threshold") and "speedup" in res and ran(res):
                     ax.annotate(ran(res).split(",")[0].rsplit(" ", 1)[0], (r["point"]["batch_size"], res["speculative"]["median"]),
                                 textcoords="offset points", xytext=(4, 4), fontsize=6)
-            ax.set_xscale("log", base=2)
-            bs = sorted({r["point"]["batch_size"] for r in records})
-            ax.set_xticks(bs, [str(b) for b in bs])
-            ax.set_xlabel("batch size")
+            batch_axis(ax)
             ax.set_ylabel("tokens/s (median)")
         elif panel == "speedup":
             # Over the plain run inside the same point: the figure to compare across points
@@ -633,10 +636,7 @@ def save_plots(sweep: Sweep, records: list[dict], path: Path, only: tuple[str, .
             for name, pts in series.items():
                 xs = sorted(pts)
                 ax.plot(xs, [pts[x] for x in xs], "o-", label=name)
-            ax.set_xscale("log", base=2)
-            bs = sorted({r["point"]["batch_size"] for r in records})
-            ax.set_xticks(bs, [str(b) for b in bs])
-            ax.set_xlabel("batch size")
+            batch_axis(ax)
             ax.set_ylabel("speedup over plain (median tok/s ratio)")
         else:
             # One line per point while the legend stays readable; past that, one colour per

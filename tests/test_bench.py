@@ -47,8 +47,8 @@ def test_bench_runs_every_system_side_by_side(tiny, tmp_path, capsys):
             assert r["identical_to_plain"] is True
             if name == "eagle-jax auto" and r["mean_accept_length"] is None:
                 # Auto chooses by the timings it takes, and on the tiny model plain may win
-                # every step of the timed pass: then there is no accept length, the ceiling is
-                # plain's, and the table says "-" (CI once crashed formatting the None).
+                # every step of the timed pass: then there is no accept length and the ceiling
+                # is plain's (the table's "-" for it: the test below; CI once crashed here).
                 assert r["roofline_tokens_per_second"] == pytest.approx(plain["roofline_tokens_per_second"])
                 continue
             assert 1.0 <= r["mean_accept_length"] and len(r["acceptance_rate_by_depth"]) >= 2
