@@ -460,10 +460,35 @@ class StepTable:
         self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code)
         return self.report
 
+    def compile_graph(self, key: tuple) -> float:
+        """Compile the one graph ``key`` (as ``build`` would) unless it is compiled; the
+        seconds it took (0.0 when it already was). For measuring tools that time a few
+        graphs of a large model (scripts/device/check.py): ``build`` compiles every graph
+        the host loop can ask for, which an engine needs and a step timing does not."""
+        if key in self._graphs:
+            return 0.0
+        jobs = {k: (name, thunk) for name, k, thunk in self._define()}
+        if key not in jobs:
+            raise CompileAfterBuildError(f"graph {key} is not one this table defines")
+        name, thunk = jobs[key]
+        t0 = time.perf_counter()
+        try:
+            self._graphs[key] = thunk()
+        except Exception as e:
+            e.add_note(f"eagle-jax: while compiling the {name} graph")
+            raise
+        return time.perf_counter() - t0
+
+    def compiled(self, key: tuple):
+        """The compiled executable of graph ``key`` (``as_text()`` shows its HLO, e.g. to
+        check which kernels a step calls); raises ``CompileAfterBuildError`` if it was not
+        compiled."""
+        return self._get(key)
+
     def _get(self, key: tuple):
         g = self._graphs.get(key)
         if g is None:
-            if self.report is None:
+            if self.report is None and not self._graphs:
                 raise CompileAfterBuildError(f"step table not built yet (graph {key} asked for); call build() first")
             raise CompileAfterBuildError(
                 f"graph {key} was not compiled at start-up; the table holds batch buckets {self.batch_buckets}, "

@@ -539,10 +539,10 @@ def save_draft(draft: Eagle3Draft, path: str | Path, *, dtype: str | None = None
 
 
 def random_draft(
-    target_cfg: ModelConfig, *, seed: int, draft_vocab_size: int | None = None, mla=None
+    target_cfg: ModelConfig, *, seed: int, draft_vocab_size: int | None = None, mla=None, dtype=jnp.float32
 ) -> Eagle3Draft:
-    """A random draft for ``target_cfg`` (float32, own embedding) for tests; ``mla``
-    (a ``deepseek.MLAConfig``) makes its layer an MLA one.
+    """A random draft for ``target_cfg`` (own embedding; ``dtype`` float32 unless given)
+    for tests and step timings; ``mla`` (a ``deepseek.MLAConfig``) makes its layer an MLA one.
 
     Norm weights are perturbed away from 1 so a misplaced norm shows; the draft
     vocabulary is a random sorted subset of the target's.
@@ -551,13 +551,13 @@ def random_draft(
     if draft_vocab_size is not None:
         overrides["draft_vocab_size"] = draft_vocab_size
     cfg = DraftConfig.for_target(target_cfg, **overrides)
-    draft = Eagle3Draft(cfg, rngs=nnx.Rngs(seed))
+    draft = Eagle3Draft(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     key = jax.random.key(seed)
     for i, norm in enumerate(
         (draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm, draft.norm)
     ):
         noise = jax.random.normal(jax.random.fold_in(key, i), norm.weight.shape)
-        norm.weight.set_value(1.0 + 0.1 * noise)
+        norm.weight.set_value((1.0 + 0.1 * noise).astype(norm.weight.dtype))
     rng = np.random.default_rng(seed)
     ids = np.sort(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False))
     draft.d2t.set_value(jnp.asarray(ids - np.arange(cfg.draft_vocab_size), jnp.int32))
