@@ -61,8 +61,10 @@ class Record:
     own deadline. ``attempt`` runs one measurement: its error is recorded (and printed
     with its traceback) and the section goes on to the next one."""
 
-    def __init__(self, out: Path, name: str, limit_s: float, dry: bool):
+    def __init__(self, out: Path, name: str, limit_s: float, dry: bool, cases: tuple[str, ...] = ()):
         self.path = out / f"{name}.json"
+        self.cases = cases  # regular expressions: run only the items whose key matches one (none: all)
+        self.opts: dict = {}
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + limit_s
         self.dry = dry
@@ -83,7 +85,14 @@ class Record:
         self.data[key] = value
         self.save()
 
+    def selected(self, key: str) -> bool:
+        import re
+
+        return not self.cases or any(re.search(c, f"{self.data['section']}/{key}") for c in self.cases)
+
     def attempt(self, key: str, fn, need_s: float = 0.0):
+        if not self.selected(key):
+            return None
         if self.left() < need_s:
             self.data["skipped"].append(f"{key}: needs about {need_s:.0f} s, {self.left():.0f} s left")
             print(f"[skip] {key}: not enough time left", flush=True)
@@ -253,18 +262,28 @@ def section_kernels(rec: Record, out: Path) -> None:
 
     def pytest_kernels():
         xml = Path("/tmp") / f"eagle_jax_kernels_{os.getpid()}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/kernels"]
+        text = Path("/tmp") / f"eagle_jax_kernels_{os.getpid()}.txt"
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/kernels"]
         if rec.dry:  # the plumbing only: one small interpreted test per kernel
             cmd += ["-k", "test_root_only_and_nothing_accepted or test_edge_cases or test_query_that_sees_nothing"]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, min(rec.left() - 50, 45)))
-        print(r.stdout[-4000:], r.stderr[-2000:], flush=True)
-        res = _junit_counts(xml) if xml.exists() else {"error": "no junit report", "tail": r.stdout[-2000:]}
-        res.update(exit_code=r.returncode, seconds=round(time.perf_counter() - t0, 1),
-                   native=jax.default_backend() == "gpu")
+        limit = max(10.0, rec.left() - 5)
+        with text.open("w") as f:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        lines = text.read_text().splitlines()
+        print("\n".join(lines[-60:]), flush=True)
+        if xml.exists() and rc is not None:
+            res = _junit_counts(xml)
+        else:  # cut off: count the verbose lines written so far
+            res = {"cut_off_after_s": round(limit, 1), "passed": sum(" PASSED" in ln for ln in lines),
+                   "failures": sum(" FAILED" in ln for ln in lines), "errors": sum(" ERROR" in ln for ln in lines),
+                   "skipped": sum(" SKIPPED" in ln for ln in lines),
+                   "failed": [ln[:300] for ln in lines if " FAILED" in ln or " ERROR" in ln]}
+        res.update(exit_code=rc, seconds=round(time.perf_counter() - t0, 1), native=jax.default_backend() == "gpu")
         return res
-
-    rec.attempt("pytest_tests_kernels", pytest_kernels, need_s=20)
 
     from pallas_kernels.testing import chain_parents, random_trees
     from pallas_kernels.tree import tree_ancestor_mask
@@ -375,6 +394,9 @@ def section_kernels(rec: Record, out: Path) -> None:
     for b, name, dt in sample_cases:
         rec.attempt(f"tree_speculative_sample b{b} {name} probs {dt} (V={vocab})",
                     lambda b=b, name=name, dt=dt: sampling_case(b, name, jnp.dtype(dt)), need_s=3)
+    # Last: the whole kernel test suite natively, in what time is left (cut off, it
+    # reports the tests that finished).
+    rec.attempt("pytest_tests_kernels", pytest_kernels, need_s=20)
 
 
 # ----------------------------------------------------------------------------- 3. lossless
@@ -388,9 +410,12 @@ TINY_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
 RELEASED_DRAFT = ROOT / "checkpoints" / "smollm2-135m-instruct-eagle3"
 
 
-def _target_and_draft(dtype, dry: bool):
-    """The lossless section's pair: a SmolLM2-shaped random target with the released draft
-    (a tiny random pair on the dry run)."""
+def _target_and_draft(dtype, dry: bool, layers: int = 0):
+    """The lossless section's pair: a SmolLM2-shaped random target with the released draft;
+    with ``layers`` > 0, SmolLM2's widths with that many layers and a random draft (each
+    verify graph compiles one tree-attention kernel per layer, about a second each on the
+    H200, so the 30-layer pair's 21 graphs do not fit a short call); a tiny random pair on
+    the dry run."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -402,6 +427,11 @@ def _target_and_draft(dtype, dry: bool):
         cfg = ModelConfig(**TINY_LLAMA)
         target = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
         return target, random_draft(cfg, seed=1, draft_vocab_size=128, dtype=jnp.dtype(dtype)), "tiny random target, random draft"
+    if layers:
+        cfg = ModelConfig(**{**SMOLLM2, "num_hidden_layers": layers}).replace(aux_layer_ids=(0, layers // 2, layers - 1))
+        target = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+        draft = random_draft(cfg, seed=1, draft_vocab_size=8192, dtype=jnp.dtype(dtype))
+        return target, draft, f"SmolLM2 widths, {layers} layers, random weights; random draft (vocabulary 8192)"
     cfg = ModelConfig(**SMOLLM2)
     cfg = cfg.replace(aux_layer_ids=read_draft_config(RELEASED_DRAFT, target_cfg=cfg).aux_layer_ids)
     target = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
@@ -426,7 +456,7 @@ def section_lossless(rec: Record, out: Path) -> None:
     noise = 0.3  # the oracle proposes the reference continuation, 30% of it made wrong
 
     def run_dtype(dtype, buckets, kernel_impl):
-        target, draft, what = _target_and_draft(dtype, rec.dry)
+        target, draft, what = _target_and_draft(dtype, rec.dry, int(rec.opts.get("lossless_layers", 0)))
         vocab = target.config.vocab_size
         prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(8, 60, n_prompts)]
         config = EngineConfig(max_batch=max(buckets), batch_buckets=buckets, prompt_buckets=(64,), max_seq_len=max_seq,
@@ -512,11 +542,12 @@ def _param_bytes(module) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(module)))
 
 
-def time_table(rec: Record, table, b: int, options: dict, context: int, *, prefix: str, kv_bytes_per_pos: int,
-               weight_bytes: int, ceiling_gbs: float | None, reps: int, need_s: float) -> dict:
+def time_table(rec: Record, table, b: int, options: dict, context: int, *, prefix: str, min_bytes,
+               ceiling_gbs: float | None, reps: int, need_s: float) -> dict:
     """Compile and time every option (None = plain) of one batch bucket: the synchronous
     step (launch to results ready, what the policy calibrates on) and the per-step time of
-    ``reps`` steps launched back to back (device time once the host keeps up)."""
+    ``reps`` steps launched back to back (device time once the host keeps up).
+    ``min_bytes(b, shape)``: the fewest bytes such a step must move (bandwidth figure)."""
     import jax
     import numpy as np
 
@@ -540,8 +571,7 @@ def time_table(rec: Record, table, b: int, options: dict, context: int, *, prefi
                 state, out, acc, _fin = table.step(state, samp, shape, True)
             jax.block_until_ready((state, out))
             piped = (time.perf_counter() - t0) / reps * 1e3
-            # Bytes a step must move at least: every weight once, every row's KV prefix once.
-            moved = weight_bytes + b * context * kv_bytes_per_pos
+            moved = min_bytes(b, shape)
             r = {"compile_s": round(compile_s, 1), "sync_ms": round(sync, 3), "pipelined_ms": round(piped, 3),
                  "min_bytes_gb": round(moved / 1e9, 2), "gb_per_s": round(moved / piped / 1e6, 1)}
             if ceiling_gbs:
@@ -625,8 +655,15 @@ def section_llama8b(rec: Record, out: Path) -> None:
                          prompt_buckets=(16,), max_seq_len=context + 256, plain=True, sampled=False,
                          draft_sync="eager", kernel_impl=impl)
 
-    timing = dict(kv_bytes_per_pos=kv_per_pos, weight_bytes=weight_bytes, ceiling_gbs=ceiling, reps=reps,
-                  need_s=8 if not rec.dry else 1)
+    draft_step_bytes = _param_bytes(draft) - draft.embed_tokens[...].nbytes
+
+    def min_bytes(b, shape):
+        """Every target weight once, every row's KV prefix once, the draft's weights (all
+        but its embedding table, which is gathered) once per draft step."""
+        steps = 0 if shape is None else shape.num_steps
+        return weight_bytes + b * context * kv_per_pos + steps * draft_step_bytes
+
+    timing = dict(min_bytes=min_bytes, ceiling_gbs=ceiling, reps=reps, need_s=8 if not rec.dry else 1)
     for b in batches:
         if rec.left() < 15:
             rec.data["skipped"].append(f"batch {b}: out of time")
@@ -721,6 +758,17 @@ def section_deepseek(rec: Record, out: Path) -> None:
                       "init_s": round(time.perf_counter() - t0, 1), "target_weight_gb": round(weight_bytes / 1e9, 2),
                       "context": context, "copy_ceiling_gb_per_s": ceiling, "plan": plan})
     moes = [layer.mlp for layer in target.layers if hasattr(layer.mlp, "impl")]
+    expert_bytes = sum(getattr(moes[0], f"experts_{n}_{k}")[...].nbytes for n in ("gate", "up", "down")
+                       for k in ("packed", "scale")) // cfg.n_routed_experts
+    routed_bytes = expert_bytes * cfg.n_routed_experts * len(moes)
+
+    def min_bytes(b, shape):
+        """The weights but the routed experts, each expert a step's tokens choose once (at
+        most all of them), every row's latent cache once; the draft is left out."""
+        tokens = b * (1 if shape is None else shape.num_draft_tokens)
+        used = min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok)
+        return weight_bytes - routed_bytes + used * expert_bytes * len(moes) + b * context * kv_per_pos
+
     options = {"plain": None, "chain S=3": chain}
     results = {}
     for impl in impls:
@@ -736,8 +784,8 @@ def section_deepseek(rec: Record, out: Path) -> None:
             table = StepTable(target, draft, shapes=[chain], batch_buckets=(b,), prompt_buckets=(16,),
                               max_seq_len=context + 256, plain=True, sampled=False, draft_sync="eager")
             results[f"{impl} b{b}"] = time_table(rec, table, b, options, context, prefix=f"moe {impl}",
-                                                 kv_bytes_per_pos=kv_per_pos, weight_bytes=weight_bytes,
-                                                 ceiling_gbs=ceiling, reps=reps, need_s=10 if not rec.dry else 1)
+                                                 min_bytes=min_bytes, ceiling_gbs=ceiling, reps=reps,
+                                                 need_s=10 if not rec.dry else 1)
             del table
             jax.clear_caches()
     for m in moes:
@@ -833,12 +881,13 @@ def summary(out: Path) -> str:
 # ----------------------------------------------------------------------------- driver
 
 
-def run_section(name: str, out: Path, limit_s: float, dry: bool) -> int:
+def run_section(name: str, out: Path, limit_s: float, dry: bool, cases=(), opts=None) -> int:
     if dry:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
-    rec = Record(out, name, limit_s, dry)
+    rec = Record(out, name, limit_s, dry, tuple(cases))
+    rec.opts = dict(opts or {})
     try:
         SECTION_FNS[name](rec, out)
     except Exception as e:
@@ -858,6 +907,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, kernels interpreted")
     ap.add_argument("--sections", nargs="+", default=[n for n, _ in SECTIONS], choices=[n for n, _ in SECTIONS])
     ap.add_argument("--total-s", type=float, default=None, help="stop starting sections after this many seconds")
+    ap.add_argument("--limits", nargs="+", default=[], metavar="SECTION=SECONDS", help="override sections' time limits")
+    ap.add_argument("--cases", nargs="+", default=[], metavar="REGEX",
+                    help="run only the items whose 'section/item' matches one (e.g. a rerun of what a cut-off run skipped)")
+    ap.add_argument("--lossless-layers", type=int, default=4,
+                    help="layers of the lossless section's SmolLM2-width target with a random draft; 0: the 30-layer "
+                         "shape with the released draft (default 4: compiles fit the call)")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # internal: run one section in this process
     ap.add_argument("--limit-s", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -865,10 +920,16 @@ def main(argv=None) -> int:
         ap.error("--out or $OUT is required")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    opts = {"lossless_layers": args.lossless_layers}
     if args.section:
-        return run_section(args.section, out, args.limit_s, args.dry_run)
+        return run_section(args.section, out, args.limit_s, args.dry_run, args.cases, opts)
 
     limits = dict(SECTIONS)
+    for item in args.limits:
+        name, _, value = item.partition("=")
+        if name not in limits or not value:
+            ap.error(f"--limits {item!r}: expected SECTION=SECONDS with SECTION one of {', '.join(limits)}")
+        limits[name] = float(value)
     start = time.perf_counter()
     total = args.total_s or (len(args.sections) * DRY_LIMIT_S if args.dry_run else sum(limits[s] for s in args.sections) + 30)
     log_path = out / "check.log"
@@ -876,7 +937,7 @@ def main(argv=None) -> int:
     with log_path.open("a") as log:
         for name in args.sections:
             left = total - (time.perf_counter() - start)
-            limit = min(DRY_LIMIT_S if args.dry_run else limits[name], left - 5)
+            limit = min(DRY_LIMIT_S if args.dry_run and not args.limits else limits[name], left - 5)
             if limit < 10:
                 d = {"section": name, "status": "not run: the check's total time was spent", "items": {}}
                 (out / f"{name}.json").write_text(json.dumps(d, indent=1) + "\n")
@@ -886,7 +947,10 @@ def main(argv=None) -> int:
             print(header, flush=True)
             log.write(header + "\n")
             log.flush()
-            cmd = [sys.executable, __file__, "--section", name, "--out", str(out), "--limit-s", str(limit - 8)]
+            cmd = [sys.executable, __file__, "--section", name, "--out", str(out), "--limit-s", str(limit - 8),
+                   "--lossless-layers", str(args.lossless_layers)]
+            if args.cases:
+                cmd += ["--cases", *args.cases]
             if args.dry_run:
                 cmd.append("--dry-run")
             t0 = time.perf_counter()
