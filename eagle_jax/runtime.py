@@ -430,11 +430,13 @@ class StepTable:
         t0 = time.perf_counter()
 
         def run(name, key, thunk):
+            t = time.perf_counter()
             try:
                 self._graphs[key] = thunk()
             except Exception as e:
                 e.add_note(f"eagle-jax: while compiling the {name} graph at start-up")
                 raise
+            log.debug("compiled %s in %.1f s", name, time.perf_counter() - t)
 
         if progress:
             from rich.progress import Progress

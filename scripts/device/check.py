@@ -886,6 +886,12 @@ def run_section(name: str, out: Path, limit_s: float, dry: bool, cases=(), opts=
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+    import logging
+
+    # The engine's start-up lines and the step table's per-graph compile times go to the
+    # log: a section cut off while building says how far it got.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("eagle_jax.runtime").setLevel(logging.DEBUG)
     rec = Record(out, name, limit_s, dry, tuple(cases))
     rec.opts = dict(opts or {})
     try:
@@ -941,6 +947,7 @@ def main(argv=None) -> int:
             if limit < 10:
                 d = {"section": name, "status": "not run: the check's total time was spent", "items": {}}
                 (out / f"{name}.json").write_text(json.dumps(d, indent=1) + "\n")
+                (out / "summary.md").write_text(summary(out))
                 worst = max(worst, 1)
                 continue
             header = f"==== {name} (limit {limit:.0f} s) ===="
