@@ -59,6 +59,7 @@ from eagle_jax.speculative import (
     prefill_impl,
     speculative_step_impl,
     state_spec,
+    tree_attention_impl_for,
     verify_phase_impl,
 )
 from eagle_jax.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
@@ -276,7 +277,8 @@ class StepTable:
         queries per KV head), else in XLA block by block. On GPUs
         ``pallas_kernels.tree_attention`` picks the kernel or its XLA reference by
         ``select_tree_attention_path``, here asked with the table's real cache shape."""
-        if not self.shapes:
+        gpu_kernels = tree_attention_impl_for(self.kernel_impl) is not None and self.backend == "gpu"
+        if not self.shapes and not (gpu_kernels and self.plain):
             return "no verify (plain only)"
         cfg = self.target.config
         leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
@@ -296,10 +298,12 @@ class StepTable:
 
         cc = getattr(jax.devices()[0], "compute_capability", None)
         paths = {}
-        for shape in self.shapes:
-            q = (leaf.shape[0], shape.num_draft_tokens, cfg.num_attention_heads, leaf.shape[3])
+        # The plain step attends through the same kernel with a one-slot tree.
+        widths = ([("plain step", 1)] if self.plain else []) + [(s.shape, s.num_draft_tokens) for s in self.shapes]
+        for name, t in widths:
+            q = (leaf.shape[0], t, cfg.num_attention_heads, leaf.shape[3])
             path, why = select_tree_attention_path("auto", self.backend, q, leaf.shape, leaf.dtype, compute_capability=cc)
-            paths[shape.shape] = f"{'Pallas tree-attention kernel' if path == 'kernel' else 'XLA reference'} ({why})"
+            paths[name] = f"{'Pallas tree-attention kernel' if path == 'kernel' else 'XLA reference'} ({why})"
         return "; ".join(f"{k}: {v}" for k, v in paths.items())
 
     # -- graph definitions
@@ -379,7 +383,8 @@ class StepTable:
                     if shape is None:
                         def plain(params, state, samp, kw=kw):
                             t, d = self._modules(params)
-                            return plain_step_impl(t, d, state, samp, check_finite=self.check_finite, **kw)
+                            return plain_step_impl(t, d, state, samp, check_finite=self.check_finite,
+                                                   tree_attention_impl=tree_attention_impl_for(self.kernel_impl), **kw)
 
                         jobs.append((f"plain step batch {b} {how}", ("step", b, None, greedy),
                                      self._thunk(plain, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))

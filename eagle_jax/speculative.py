@@ -206,6 +206,17 @@ def draft_tree(
     return tree, cache
 
 
+def tree_attention_impl_for(kernel_impl: str) -> str | None:
+    """How a step's target forward attends over the cache, decided in this one place for
+    the verify forward and the plain step: on a GPU (unless ``kernel_impl`` is
+    "reference") through ``pallas_kernels.tree_attention`` ("auto": the Mosaic GPU kernel
+    where it takes the shapes, else its XLA reference); elsewhere ``None``: the target's
+    ``PrefixMask`` path (the new block in XLA, the cached prefix in the CPU kernel or XLA
+    block by block), faster on a CPU than the kernel's interpreter. On the H200 the block
+    loop made an 8B plain step 2.3x a chain S=1 verify step (results/gpu/)."""
+    return "auto" if jax.default_backend() == "gpu" and kernel_impl != "reference" else None
+
+
 def verify_mask(seq_lens: Int[Array, "B"], tree_mask: Bool[Array, "B T T"], max_len: int | None = None) -> PrefixMask:
     """Tree queries see the committed prefix plus their ancestors at slots ``seq_len + t``."""
     del max_len  # the structure does not depend on the cache length
@@ -421,13 +432,10 @@ def verify_phase_impl(
     """
     seq = state.seq_lens
     with jax.named_scope("verify"):
-        # On GPUs the verify forward attends with the tree-attention kernel (it falls back
-        # to XLA for shapes it does not support); elsewhere through the target's prefix
-        # attention (tree block in XLA, the cached prefix in the CPU kernel or XLA;
-        # StepTable.verify_attention_path says which), faster on CPU than the interpreter.
-        on_gpu = jax.default_backend() == "gpu" and kernel_impl != "reference"
+        # tree_attention_impl_for: the tree-attention kernel on GPUs, the target's prefix
+        # attention elsewhere (StepTable.verify_attention_path says which).
         logits, feats, tcache = verify_tree(
-            target, state.target_cache, seq, tree, tree_attention_impl="auto" if on_gpu else None
+            target, state.target_cache, seq, tree, tree_attention_impl=tree_attention_impl_for(kernel_impl)
         )
     with jax.named_scope("accept"):
         acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=greedy_only, kernel_impl=kernel_impl)
@@ -471,19 +479,25 @@ def speculative_step_impl(
 
 def plain_step_impl(
     target: TargetModel, draft: Eagle3Draft | None, state: SpecState, samp: SamplingArrays, *,
-    greedy_only: bool, max_seq_len: int, check_finite: bool = False,
+    greedy_only: bool, max_seq_len: int, check_finite: bool = False, tree_attention_impl: str | None = None,
 ):
     """A non-speculative step; with a draft (not None) it keeps the draft in
     sync by a 1-token draft extend, so speculation can resume without losing acceptance,
     or, for a deferred state, only stores that extend's input (``SpecState.draft_len``).
+    ``tree_attention_impl`` (``tree_attention_impl_for``): None attends through the
+    target's ``PrefixMask`` path, else through the tree-attention kernel with a one-slot
+    tree, as the verify forward does.
 
     Returns ``(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)``.
     """
     seq = state.seq_lens
     pos = seq[:, None]
+    if tree_attention_impl is None:
+        mask, ta = prefix_causal_mask(seq, 1, cache_len(state.target_cache)), None
+    else:
+        mask, ta = None, TreeAttention(seq, jnp.ones((seq.shape[0], 1, 1), bool), tree_attention_impl)
     h, feats, tcache = target(
-        state.root[:, None], pos, state.target_cache, pos,
-        prefix_causal_mask(seq, 1, cache_len(state.target_cache)), return_features=draft is not None,
+        state.root[:, None], pos, state.target_cache, pos, mask, return_features=draft is not None, tree=ta,
     )
     logits = target.logits(h[:, 0])
     nxt = sample_tokens(logits, samp, seq + 1, greedy_only=greedy_only)

@@ -123,3 +123,28 @@ def test_auto_choices_follow_the_measured_costs():
     assert got["L=4 b1"]["choice"] == "chain S=1"  # tree: 1 + .75 + .75^2 + .75^3 = 2.73 < 3x the time
     times[1]["tree 3/4/8"]["pipelined_ms"] = 12.0
     assert mod.auto_choices(options, times)["L=4 b1"]["choice"] == "tree 3/4/8"
+
+
+def test_report_tables_every_run_and_recounts_moe_bytes(tmp_path):
+    """The report docs/results.md shows: one row per item and run, MoE GB/s from the
+    experts a step's tokens choose (one expert's INT4 bytes from the real widths)."""
+    mod = _check_module()
+    assert mod.int4_expert_bytes(7168, 2048) == 24_772_608  # 3 x (4-bit weights + a bf16 scale per 32)
+    run = tmp_path / "h200-runX"
+    run.mkdir()
+    (run / "env.json").write_text(json.dumps({"status": "done", "items": {
+        "device": {"kind": "NVIDIA H200", "compute_capability": "9.0"}, "versions": {"jax": "0.11.2", "flax": "0.12.12"},
+        "copy_bandwidth": {"gb_per_s": 3850.4}, "bf16_matmul": {"tflop_per_s": 688.0}}}))
+    (run / "llama8b.json").write_text(json.dumps({"status": "done", "items": {
+        "step b1 plain": {"pipelined_ms": 16.443, "sync_ms": 15.0, "gb_per_s": 1889.7, "of_copy_ceiling": 0.26, "compile_s": 7.6}}}))
+    weights = 25.32
+    (run / "deepseek.json").write_text(json.dumps({"status": "done", "model": {
+        "config": "Kimi-K2 slice: 1 dense + 2 MoE layers", "target_weight_gb": weights, "context": 2048}, "items": {
+        "moe auto b1 plain": {"pipelined_ms": 3.301, "sync_ms": 3.9, "gb_per_s": 7672.0, "compile_s": 6.9}}}))
+    text = mod.report([run])
+    assert "| h200-runX | NVIDIA H200 | 9.0 | 0.11.2 | 0.12.12 | 3850.4 | 688.0 |" in text
+    assert "| h200-runX | b1 plain | 16.44 | 15 | 1890 | 0.26 | 7.6 |" in text
+    e = 24_772_608
+    moved = weights * 1e9 - e * 384 * 2 + 8 * e * 2 + 2048 * 3 * 576 * 2
+    assert f"| h200-runX | auto | 1 | plain | 3.3 | {moved / 3.301 / 1e6:.0f} | 6.9 |" in text
+    assert "h200-runX/kernels" not in text  # a section that did not run is not reported as cut off

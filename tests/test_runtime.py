@@ -200,6 +200,7 @@ def test_gpu_tables_size_the_cache_for_the_tree_attention_kernel(monkeypatch):
     on_gpu = StepTable(target, draft, **kw)
     assert on_gpu.target_cache_len == 320  # 256 + 8 rounded up to a multiple of 64
     assert "Pallas tree-attention kernel" in on_gpu.verify_attention_path()
+    assert on_gpu.verify_attention_path().startswith("plain step: Pallas tree-attention kernel")
     unaligned = StepTable(target, draft, cache_align=1, **kw)
     assert unaligned.target_cache_len == 264
     path = unaligned.verify_attention_path()

@@ -429,3 +429,39 @@ def test_deferred_draft_sync_catches_up_to_what_eager_sync_leaves(target, draft,
     np.testing.assert_array_equal(ad, ae)
     np.testing.assert_array_equal(sd.draft_len, sd.seq_lens)
     np.testing.assert_allclose(sd.draft_hidden, se.draft_hidden, atol=2e-5, rtol=1e-4)
+
+
+def test_plain_step_through_the_tree_attention_kernel_matches_the_prefix_path():
+    """On GPUs the plain step attends through the tree-attention kernel with a one-slot
+    tree (tree_attention_impl_for); here the kernel runs in Mosaic GPU's interpreter and
+    must give what the PrefixMask path gives: the same tokens, the same KV written."""
+    from flax import nnx
+
+    from eagle_jax.config import ModelConfig
+    from eagle_jax.model import LlamaModel
+    from eagle_jax.sampling import SamplingArrays
+    from eagle_jax.speculative import plain_step_impl, prefill_impl, state_spec
+    from eagle_jax.target import init_from_spec
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+    target = LlamaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 128, (2, 16)), jnp.int32)
+    lengths = jnp.asarray([16, 9], jnp.int32)
+    samp = SamplingArrays.build([SamplingParams()] * 2, 2)
+    spec = state_spec(target, None, [], 2, 128, cache_align=64)  # the kernel's 64-slot blocks
+    start, _ = prefill_impl(target, None, init_from_spec(spec), tokens, lengths, samp, greedy_only=True)
+    runs = {}
+    for impl in (None, "kernel"):
+        st, out = start, []
+        for _ in range(3):
+            st, tok, acc, _ = plain_step_impl(target, None, st, samp, greedy_only=True, max_seq_len=128,
+                                              tree_attention_impl=impl)
+            out.append(np.asarray(tok))
+            np.testing.assert_array_equal(acc, 1)
+        runs[impl] = (st, np.concatenate(out, 1))
+    (ref, ref_tokens), (got, got_tokens) = runs[None], runs["kernel"]
+    np.testing.assert_array_equal(got_tokens, ref_tokens)
+    np.testing.assert_array_equal(got.seq_lens, ref.seq_lens)
+    for a, b in zip(jax.tree.leaves(got.target_cache), jax.tree.leaves(ref.target_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=3e-2)

@@ -696,6 +696,20 @@ def section_llama8b(rec: Record, out: Path) -> None:
 # ----------------------------------------------------------------------------- 5. deepseek
 
 
+# Kimi-K2: 384 routed experts of width 2048, top-8, one shared; MLA with 64 heads.
+KIMI_K2_DIMS = dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                    num_attention_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384)
+INT4_GROUP = 32
+
+
+def int4_expert_bytes(hidden: int, width: int, group: int = INT4_GROUP, scale_bytes: int = 2) -> int:
+    """Bytes of one INT4 SwiGLU expert (gate, up: [width, hidden]; down: [hidden, width]):
+    4 bits a weight, one scale per ``group`` inputs."""
+    per_matrix = lambda o, i: o * i // 2 + o * (i // group) * scale_bytes  # noqa: E731
+    return 2 * per_matrix(width, hidden) + per_matrix(hidden, width)
+
+
 def section_deepseek(rec: Record, out: Path) -> None:
     import jax
     import jax.numpy as jnp
@@ -713,15 +727,12 @@ def section_deepseek(rec: Record, out: Path) -> None:
         batches, context, reps, dv = (2,), 64, 2, 128
         impls = ("auto", "gather")
     else:
-        # Kimi-K2: 384 routed experts of width 2048, top-8, one shared; MLA with 64 heads.
-        dims = dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-                    num_attention_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384)
+        dims = dict(KIMI_K2_DIMS)
         batches, context, reps, dv = (1, 8, 64), CONTEXT, 5, 32000
         impls = ("auto", "gather", "blocked", "ragged", "dense")
     cfg = DeepseekV3Config(**dims, num_hidden_layers=3, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
                            routed_scaling_factor=2.827, max_position_embeddings=8192, aux_layer_ids=(0, 1, 2),
-                           quant=QuantConfig(group_size=32, targets=("re:.*experts.*",)), int4_moe_layers=(1, 2))
+                           quant=QuantConfig(group_size=INT4_GROUP, targets=("re:.*experts.*",)), int4_moe_layers=(1, 2))
     dtype = jnp.bfloat16
     t0 = time.perf_counter()
     target = DeepseekV3Model(cfg, dtype=dtype, rngs=nnx.Rngs(0))
@@ -760,6 +771,7 @@ def section_deepseek(rec: Record, out: Path) -> None:
     moes = [layer.mlp for layer in target.layers if hasattr(layer.mlp, "impl")]
     expert_bytes = sum(getattr(moes[0], f"experts_{n}_{k}")[...].nbytes for n in ("gate", "up", "down")
                        for k in ("packed", "scale")) // cfg.n_routed_experts
+    assert expert_bytes == int4_expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size), expert_bytes
     routed_bytes = expert_bytes * cfg.n_routed_experts * len(moes)
 
     def min_bytes(b, shape):
@@ -878,6 +890,80 @@ def summary(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(x, nd=3):
+    if not isinstance(x, float):
+        return "" if x is None else str(x)
+    text = f"{x:.{nd}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def report(dirs) -> str:
+    """Markdown tables of committed device-check runs (``results/gpu/<run>/``), one row
+    per measured item and run, for docs/results.md. MoE steps' GB/s are recomputed here
+    with the bytes ``section_deepseek`` counts now (a run made before that counted every
+    expert)."""
+    dirs = [Path(d) for d in dirs]
+    lines = []
+    env_rows, kern_rows, step_rows, moe_rows, notes = [], [], [], [], []
+    for d in dirs:
+        run = d.name
+        env = read_section(d, "env").get("items", {})
+        dev, ver = env.get("device", {}), env.get("versions", {})
+        env_rows.append((run, dev.get("kind"), dev.get("compute_capability"), ver.get("jax"), ver.get("flax"),
+                         (env.get("copy_bandwidth") or {}).get("gb_per_s"), (env.get("bf16_matmul") or {}).get("tflop_per_s")))
+        for k, v in read_section(d, "kernels").get("items", {}).items():
+            if k == "pytest_tests_kernels":
+                notes.append(f"{run}: `pytest tests/kernels` natively: " + (
+                    f"{v.get('passed')} passed, {v.get('failures')} failed" if "passed" in v else v.get("error", "?")[:200]))
+                continue
+            if "error" in v:
+                kern_rows.append((run, k, "error: " + v["error"][:120], "", "", "", ""))
+                continue
+            kern_rows.append((run, k, v.get("ok", v.get("equal")), _fmt(v.get("max_abs_err"), 4), _fmt(v.get("kernel_ms"), 3),
+                              _fmt(v.get("reference_ms"), 3), _fmt(v.get("kernel_gb_per_s"), 0)))
+        llama = read_section(d, "llama8b")
+        for k, v in llama.get("items", {}).items():
+            if "error" in v:
+                step_rows.append((run, k, "error: " + v["error"][:120], "", "", "", ""))
+                continue
+            step_rows.append((run, k.removeprefix("step "), _fmt(v["pipelined_ms"], 2), _fmt(v["sync_ms"], 2),
+                              _fmt(v["gb_per_s"], 0), _fmt(v.get("of_copy_ceiling"), 2), _fmt(v["compile_s"], 1)))
+        ds = read_section(d, "deepseek")
+        model = ds.get("model", {})
+        for k, v in ds.get("items", {}).items():
+            if "error" in v:
+                moe_rows.append((run, k, "error: " + v["error"][:120], "", "", ""))
+                continue
+            impl, b, step = k.split(" ", 3)[1], int(k.split(" ")[2][1:]), k.split(" ", 3)[3]
+            gbs = v["gb_per_s"]
+            if model.get("config", "").startswith("Kimi-K2 slice") and "target_weight_gb" in model:
+                dims, layers = KIMI_K2_DIMS, 2
+                e = int4_expert_bytes(dims["hidden_size"], dims["moe_intermediate_size"])
+                tokens = b * (1 if step == "plain" else int(step.split("S=")[1]) + 1)
+                used = min(dims["n_routed_experts"], tokens * 8)
+                kv = b * model["context"] * 3 * (dims["kv_lora_rank"] + dims["qk_rope_head_dim"]) * 2
+                moved = model["target_weight_gb"] * 1e9 - e * dims["n_routed_experts"] * layers + used * e * layers + kv
+                gbs = moved / v["pipelined_ms"] / 1e6
+            moe_rows.append((run, impl, b, step, _fmt(v["pipelined_ms"], 2), _fmt(gbs, 0), _fmt(v["compile_s"], 1)))
+        for name, _ in SECTIONS:
+            sec = read_section(d, name)
+            if sec and (sec.get("skipped") or sec.get("errors") or not sec.get("status", "").startswith("done")):
+                notes.append(f"{run}/{name}: {sec.get('status')}; {len(sec.get('items', {}))} items, "
+                             f"{len(sec.get('skipped', []))} skipped, {len(sec.get('errors', []))} errors")
+    lines += _table(("run", "device", "cc", "jax", "flax", "copy GB/s", "bf16 TFLOP/s"), env_rows) + [""]
+    lines += ["Kernels against their XLA references (natively; ms per call, back to back):", ""]
+    lines += _table(("run", "case", "matches", "max err", "kernel ms", "XLA ms", "kernel GB/s"), kern_rows) + [""]
+    lines += ["Llama-3.1-8B-shaped steps (bf16, context 2048):", ""]
+    lines += _table(("run", "batch, step", "pipelined ms", "sync ms", "GB/s", "of copy ceiling", "compile s"), step_rows) + [""]
+    lines += ["Kimi-K2 slice steps (bf16, INT4 experts, context 2048; GB/s of the weights a step must read):", ""]
+    lines += _table(("run", "MoE formulation", "batch", "step", "pipelined ms", "GB/s", "compile s"), moe_rows) + [""]
+    lines += ["What did not run to the end:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -919,9 +1005,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lossless-layers", type=int, default=4,
                     help="layers of the lossless section's SmolLM2-width target with a random draft; 0: the 30-layer "
                          "shape with the released draft (default 4: compiles fit the call)")
+    ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="RUN_DIR",
+                    help="print the markdown tables of committed runs (results/gpu/<run>) and exit")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # internal: run one section in this process
     ap.add_argument("--limit-s", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     if args.out is None:
         ap.error("--out or $OUT is required")
     out = args.out
