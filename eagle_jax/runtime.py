@@ -89,6 +89,37 @@ def _largest_at_most(values: Sequence[int], n: int) -> int:
     return max(v for v in values if v <= n)
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphTiming:
+    """Where one graph's start-up time went: tracing in Python, lowering to StableHLO
+    (a Pallas kernel's own passes included), and the backend compile, which a persistent
+    cache hit replaces by a read (``cache_hit``)."""
+
+    name: str
+    trace_s: float
+    lower_s: float
+    compile_s: float
+    cache_hit: bool
+
+    @property
+    def total_s(self) -> float:
+        return self.trace_s + self.lower_s + self.compile_s
+
+
+class _CacheEvents:
+    """Counts JAX's persistent-cache hits (a monitoring event per executable read back)."""
+
+    hits = 0
+
+    @classmethod
+    def on_event(cls, event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            cls.hits += 1
+
+
+jax.monitoring.register_event_listener(_CacheEvents.on_event)
+
+
 @dataclasses.dataclass
 class BuildReport:
     graphs: int
@@ -98,10 +129,27 @@ class BuildReport:
     # runs (graphs run one at a time) and the code they hold (0 where XLA does not say).
     max_temp_bytes: int = 0
     code_bytes: int = 0
+    timings: list[GraphTiming] = dataclasses.field(default_factory=list)
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(t.cache_hit for t in self.timings)
 
     def describe(self) -> str:
-        return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s (largest scratch "
+        split = ""
+        if self.timings:
+            phase = lambda f: sum(f(t) for t in self.timings)  # noqa: E731
+            split = (f": trace {phase(lambda t: t.trace_s):.1f} s, lower {phase(lambda t: t.lower_s):.1f} s, "
+                     f"compile {phase(lambda t: t.compile_s):.1f} s; {self.cache_hits} of {len(self.timings)} "
+                     f"from the persistent cache")
+        return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s{split} (largest scratch "
                 f"{self.max_temp_bytes / 2**20:.1f} MiB, code {self.code_bytes / 2**20:.1f} MiB)")
+
+    def slowest(self, n: int = 5) -> str:
+        """The ``n`` graphs that took longest, with their split (for a debug log)."""
+        top = sorted(self.timings, key=lambda t: -t.total_s)[:n]
+        return "; ".join(f"{t.name} {t.total_s:.1f} s (trace {t.trace_s:.1f}, lower {t.lower_s:.1f}, "
+                         f"compile {t.compile_s:.1f}{', cached' if t.cache_hit else ''})" for t in top)
 
 
 DRAFT_SHARDINGS = ("replicated", "model")
@@ -418,11 +466,21 @@ class StepTable:
         return Tree(tokens=s, parents=s, depths=s)
 
     def _thunk(self, fn, in_sh, out_sh, donate, args):
-        def compile_():
+        def compile_(timing: list | None = None):
             # Traced under the mesh: a module that runs part of itself under shard_map
             # (expert-parallel MoE) reads the axes from jax.sharding.get_abstract_mesh().
             with jax.set_mesh(self.mesh):
-                return self._jit(fn, in_sh, out_sh, donate).lower(*args).compile()
+                t0 = time.perf_counter()
+                traced = self._jit(fn, in_sh, out_sh, donate).trace(*args)
+                t1 = time.perf_counter()
+                lowered = traced.lower()
+                t2 = time.perf_counter()
+                hits = _CacheEvents.hits
+                compiled = lowered.compile()
+                t3 = time.perf_counter()
+            if timing is not None:
+                timing.extend((t1 - t0, t2 - t1, t3 - t2, _CacheEvents.hits > hits))
+            return compiled
         return compile_
 
     # -- build
@@ -434,14 +492,18 @@ class StepTable:
         jobs = self._define()
         t0 = time.perf_counter()
 
+        timings = []
+
         def run(name, key, thunk):
-            t = time.perf_counter()
+            split = []
             try:
-                self._graphs[key] = thunk()
+                self._graphs[key] = thunk(split)
             except Exception as e:
                 e.add_note(f"eagle-jax: while compiling the {name} graph at start-up")
                 raise
-            log.debug("compiled %s in %.1f s", name, time.perf_counter() - t)
+            timings.append(GraphTiming(name, *split))
+            log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
+                      *split[:3], ", from the persistent cache" if split[3] else "")
 
         if progress:
             from rich.progress import Progress
@@ -464,7 +526,8 @@ class StepTable:
             if m is not None:
                 temps.append(int(m.temp_size_in_bytes))
                 code += int(m.generated_code_size_in_bytes)
-        self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code)
+        self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code, timings)
+        log.debug("slowest graphs: %s", self.report.slowest())
         return self.report
 
     def compile_graph(self, key: tuple) -> float:

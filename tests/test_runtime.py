@@ -386,3 +386,21 @@ def test_prefix_attention_equals_dense_masked_attention(s_len, block):
         want = masked_attention(q, k_full, v_full, mask.dense(s_len), 0.3)
         got = prefix_attention(q, k_new, v_new, k_full, v_full, mask, 0.3, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_build_report_splits_each_graph_and_counts_persistent_cache_hits():
+    """Every graph's start-up time is split into trace, lower and compile; a second table
+    of the same configuration reads every executable back from the persistent cache (the
+    test session sets one up: conftest.py), counted by JAX's own cache-hit events."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    target = LlamaModel(cfg)
+    kw = dict(shapes=(), batch_buckets=(1, 2), prompt_buckets=(8,), max_seq_len=32)
+    first = StepTable(target, None, **kw).build()
+    second = StepTable(target, None, **kw).build()
+    for report in (first, second):
+        assert [t.name for t in report.timings] == report.names
+        assert all(t.trace_s >= 0 and t.lower_s > 0 and t.compile_s > 0 for t in report.timings)
+    assert second.cache_hits == second.graphs
+    assert f"{second.graphs} of {second.graphs} from the persistent cache" in second.describe()
+    assert second.slowest(2).count(" s (trace ") == 2
