@@ -42,7 +42,7 @@ def test_dry_run_runs_every_section(tmp_path):
     kernels = sections["kernels"]
     pt = kernels.pop("pytest_tests_kernels")
     assert pt["passed"] >= 3 and pt["failures"] == 0 and pt["errors"] == 0, pt
-    assert len(kernels) >= 5
+    assert len(kernels) == 3  # one case of each kernel
     for case, res in kernels.items():
         assert res.get("ok", res.get("equal")) is True, (case, res)
         assert res["kernel_ms"] > 0 and res["reference_ms"] > 0
