@@ -176,12 +176,12 @@ def _policy_lines(summary: dict) -> list[str]:
 def cmd_generate(args) -> int:
     import jax
 
-    from eagle_jax.config import ModelConfig
     from eagle_jax.engine import Engine, EngineConfig
     from eagle_jax.policy import parse_shapes
     from eagle_jax.sampling import SamplingParams
     from eagle_jax.sharding import initialize_distributed
     from eagle_jax.speculative import SpeculativeConfig
+    from eagle_jax.target import read_target_config
     from eagle_jax.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
@@ -232,7 +232,7 @@ def cmd_generate(args) -> int:
         # The chat template already holds BOS where the model wants it.
         prompts.append(tok.encode(text, add_special_tokens=r.messages is None))
     # Compile only the shapes this run needs: buckets up to the batch and the longest prompt.
-    context = ModelConfig.from_dir(model_dir).max_position_embeddings
+    context = read_target_config(model_dir).max_position_embeddings
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or min(context, _pow2_at_least(longest + args.max_new_tokens))
     if longest >= max_seq_len:

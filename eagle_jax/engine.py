@@ -475,15 +475,16 @@ class EngineMetrics:
 def _load(target, draft, dtype, mesh=None):
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.config import ModelConfig
+    from eagle_jax.target import read_target_config
 
     if isinstance(target, (str, Path)):
         path = Path(target)
         cfg = None
         if isinstance(draft, (str, Path)):
             # The draft says which target layers feed it; build the target to return those.
-            dcfg = read_draft_config(draft, target_cfg=ModelConfig.from_dir(path))
-            cfg = ModelConfig.from_dir(path).replace(aux_layer_ids=dcfg.aux_layer_ids)
+            tcfg = read_target_config(path)
+            dcfg = read_draft_config(draft, target_cfg=tcfg)
+            cfg = tcfg.replace(aux_layer_ids=dcfg.aux_layer_ids)
         # On a mesh of several devices each parameter is read straight into its shards.
         target = load_model(path, dtype=dtype, config=cfg, mesh=mesh)
     if isinstance(draft, (str, Path)):

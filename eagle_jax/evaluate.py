@@ -320,9 +320,9 @@ def load_models(model_dir: Path, draft_dir: Path, dtype: str | None):
     """Target (built to return the draft's feature layers) and draft, loaded once for every engine."""
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.config import ModelConfig
+    from eagle_jax.target import read_target_config
 
-    tcfg = ModelConfig.from_dir(model_dir)
+    tcfg = read_target_config(model_dir)
     dcfg = read_draft_config(draft_dir, target_cfg=tcfg)
     target = load_model(model_dir, dtype=dtype, config=tcfg.replace(aux_layer_ids=dcfg.aux_layer_ids))
     return target, load_draft(draft_dir, target=target, dtype=dtype)
