@@ -312,7 +312,6 @@ class Runner:
 
     def engine(self, target, draft, tokenizer, point: Point, max_seq_len: int, buckets, speculative: bool):
         from eagle_jax.engine import Engine, EngineConfig, default_policy
-        from eagle_jax.policy import FixedPolicy
 
         v = point.values
         sampled = v["temperature"] > 0
@@ -331,15 +330,11 @@ class Runner:
         if spec is not None and v.get("draft_sync") is not None:
             base["draft_sync"] = v["draft_sync"]
         if spec is None:
-            cfg, policy = EngineConfig(speculative=None, **base), None
-        elif v["policy"] == "auto":
-            cfg = EngineConfig(speculative=spec, spec_policy="auto", **base)
-            policy = default_policy(cfg, v["draft"])  # the draft's model card is its prior
-        elif v["policy"] == "threshold":
-            cfg = EngineConfig(speculative=spec, spec_disable_batch_threshold=v["threshold"], **base)
-            policy = default_policy(cfg)
+            cfg = EngineConfig(spec_policy="plain", **base)
         else:
-            cfg, policy = EngineConfig(speculative=spec, **base), FixedPolicy(spec)
+            threshold = v["threshold"] if v["policy"] == "threshold" else None
+            cfg = EngineConfig(speculative=spec, spec_policy=v["policy"], spec_disable_batch_threshold=threshold, **base)
+        policy = default_policy(cfg, v.get("draft"))  # auto: the draft's model card is its prior
         engine = Engine(target, draft if spec is not None else None, cfg, tokenizer, policy=policy, progress=False)
         self._engines[key] = engine
         return engine

@@ -357,7 +357,7 @@ def run_eval(
     base = dict(max_batch=1, max_seq_len=max_seq_len, prompt_buckets=buckets, sampled_steps=False)
     progress = sys.stderr.isatty()
     log(f"building 2 engines (plain; {len(shapes)} shapes), max_seq_len {max_seq_len}, prompt buckets {buckets}")
-    plain = Engine(target, None, EngineConfig(speculative=None, **base), tokenizer, progress=progress)
+    plain = Engine(target, None, EngineConfig(spec_policy="plain", **base), tokenizer, progress=progress)
     policy = SwitchedPolicy(shapes)
     spec = Engine(target, draft, EngineConfig(speculative=shapes[0], **base), tokenizer, policy=policy, progress=progress)
     runs_order = [("plain", None)] + [(cfg.shape, cfg) for cfg in shapes]
