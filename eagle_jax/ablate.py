@@ -17,7 +17,7 @@ non-empty list); every field may be either::
 
 Fields (``FIELDS``): the draft shape as ``shape`` ("plain", "chain S=3", "tree S=3 k=4
 T=8") or as ``steps``/``topk``/``draft_tokens``; ``policy`` (fixed, threshold, auto);
-``threshold`` (the seed system's batch cutoff, with policy threshold); ``temperature``,
+``threshold`` (the batch cutoff, with policy threshold); ``temperature``,
 ``top_p``, ``top_k``, ``sampling_verify`` (coupled, rejection); ``batch_size``; ``draft``;
 ``suite``; ``max_prompts``, ``max_new_tokens``, ``repeats``, ``seed``, ``dtype``, ``model``;
 ``draft_sync`` (eager, deferred; unset: the engine's default, ``EngineConfig.draft_sync``).

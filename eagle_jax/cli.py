@@ -73,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "S+1 for a chain)")
     g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
     g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
-                   help="threshold policy: switch speculation off while the padded batch is larger than N (the seed "
-                        "system's manual setting)")
+                   help="threshold policy: switch speculation off while the padded batch is larger than N")
     g.add_argument("--time-phases", action="store_true",
                    help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
                         "mode), and print draft/verify ms per step")

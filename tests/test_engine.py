@@ -317,6 +317,15 @@ def test_default_config_decodes_plainly_without_a_draft(model_dir, target):
     assert isinstance(default_policy(EngineConfig(spec_policy="fixed")), FixedPolicy)
 
 
+def test_the_serving_api_is_importable_from_the_package():
+    import eagle_jax
+    from eagle_jax import Engine as E, EngineConfig as C, SamplingParams as S
+
+    assert (E, C, S) == (Engine, EngineConfig, SamplingParams)
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        eagle_jax.Engin
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
