@@ -971,12 +971,12 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
                           "was given (pass draft=, or spec_policy='plain')")
     if policy is None:
         policy = default_policy(config, draft if isinstance(draft, (str, Path)) else None, has_draft=draft is not None)
-    if config.time_phases and not policy_shapes(policy):
-        raise ConfigError("time_phases is set but nothing speculates (no draft, or a plain policy): no draft or "
-                          "verify phase to time")
     if not isinstance(policy, SpeculationPolicy):
         raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
     shapes = policy_shapes(policy)
+    if config.time_phases and not shapes:
+        raise ConfigError("time_phases is set but nothing speculates (no draft, or a plain policy): no draft or "
+                          "verify phase to time")
     if shapes and draft is None:
         raise ConfigError(f"policy {type(policy).__name__} speculates ({[s.shape for s in shapes]}) but no draft was given")
     if (draft_hook is None) != (hook_width == 0):
