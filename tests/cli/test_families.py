@@ -124,3 +124,22 @@ def test_draft_data_then_train_draft(full_family, tmp_path, capsys):
                    "--ttt-length", "1", "--epochs", "1", "--batch-size", "2", "--warmup-steps", "0"])
     assert rc == 0, (name, capsys.readouterr().err)
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 32
+
+
+def test_what_a_family_cannot_do_is_one_error_line(tmp_path, capsys):
+    """DeepSeek-V3 / Kimi targets load from Hugging Face directories only: `import-gguf`
+    refuses a DeepSeek GGUF (llama.cpp's ``deepseek2``) in one error line, exit status 2."""
+    import gguf
+
+    path = tmp_path / "ds.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    capsys.readouterr()
+    assert cli.main(["import-gguf", str(path), str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and "GGUF architecture 'deepseek2' is not supported; supported: llama" in line, line
+    assert not (tmp_path / "out").exists()
