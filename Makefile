@@ -62,8 +62,8 @@ test: install-test model gguf
 test-fast: install-test
 	$(VPY) -m pytest -q -m "not slow" tests
 
-# Every benchmark, with the arguments behind README's "Measured performance" figures
-# (each writes the results/ file the README cites).
+# Every benchmark (docs/measuring.md), each writing its results/ file; then
+# `python scripts/readme_results.py --write docs/results.md` tabulates the ablations and bench.
 DRAFT_DIR := checkpoints/smollm2-135m-instruct-eagle3
 BENCH_ENGINE_ARGS := --draft $(DRAFT_DIR) --steps 3 --topk 4 --draft-tokens 8 --threshold 1
 bench: install-test model

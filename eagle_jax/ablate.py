@@ -17,7 +17,7 @@ non-empty list); every field may be either::
 
 Fields (``FIELDS``): the draft shape as ``shape`` ("plain", "chain S=3", "tree S=3 k=4
 T=8") or as ``steps``/``topk``/``draft_tokens``; ``policy`` (fixed, threshold, auto);
-``threshold`` (the seed system's batch cutoff, with policy threshold); ``temperature``,
+``threshold`` (the batch cutoff, with policy threshold); ``temperature``,
 ``top_p``, ``top_k``, ``sampling_verify`` (coupled, rejection); ``batch_size``; ``draft``;
 ``suite``; ``max_prompts``, ``max_new_tokens``, ``repeats``, ``seed``, ``dtype``, ``model``;
 ``draft_sync`` (eager, deferred; unset: the engine's default, ``EngineConfig.draft_sync``).
@@ -312,7 +312,6 @@ class Runner:
 
     def engine(self, target, draft, tokenizer, point: Point, max_seq_len: int, buckets, speculative: bool):
         from eagle_jax.engine import Engine, EngineConfig, default_policy
-        from eagle_jax.policy import FixedPolicy
 
         v = point.values
         sampled = v["temperature"] > 0
@@ -331,15 +330,11 @@ class Runner:
         if spec is not None and v.get("draft_sync") is not None:
             base["draft_sync"] = v["draft_sync"]
         if spec is None:
-            cfg, policy = EngineConfig(speculative=None, **base), None
-        elif v["policy"] == "auto":
-            cfg = EngineConfig(speculative=spec, spec_policy="auto", **base)
-            policy = default_policy(cfg, v["draft"])  # the draft's model card is its prior
-        elif v["policy"] == "threshold":
-            cfg = EngineConfig(speculative=spec, spec_disable_batch_threshold=v["threshold"], **base)
-            policy = default_policy(cfg)
+            cfg = EngineConfig(spec_policy="plain", **base)
         else:
-            cfg, policy = EngineConfig(speculative=spec, **base), FixedPolicy(spec)
+            threshold = v["threshold"] if v["policy"] == "threshold" else None
+            cfg = EngineConfig(speculative=spec, spec_policy=v["policy"], spec_disable_batch_threshold=threshold, **base)
+        policy = default_policy(cfg, v.get("draft"))  # auto: the draft's model card is its prior
         engine = Engine(target, draft if spec is not None else None, cfg, tokenizer, policy=policy, progress=False)
         self._engines[key] = engine
         return engine

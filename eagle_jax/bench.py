@@ -254,6 +254,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "weight_MB_per_step": wbytes / 1e6,
         "batches": by_batch,
         "fingerprint": environment(args.dtype),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 

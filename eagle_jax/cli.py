@@ -73,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "S+1 for a chain)")
     g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
     g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
-                   help="threshold policy: switch speculation off while the padded batch is larger than N (the seed "
-                        "system's manual setting)")
+                   help="threshold policy: switch speculation off while the padded batch is larger than N")
     g.add_argument("--time-phases", action="store_true",
                    help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
                         "mode), and print draft/verify ms per step")
@@ -160,6 +159,14 @@ def _spec_policy(args) -> str:
         raise InputError("--spec-policy threshold needs --spec-disable-batch-threshold N")
     if not args.spec_calibration_s > 0:
         raise InputError(f"--spec-calibration-s {args.spec_calibration_s} must be > 0")
+    # The shapes themselves, before anything loads: a typo is a start-up error.
+    from eagle_jax.policy import parse_shapes
+    from eagle_jax.spec_config import default_shape
+
+    if args.spec_shapes is not None:
+        parse_shapes(args.spec_shapes)
+    if policy != "auto":
+        default_shape(args.steps, args.topk, args.draft_tokens)
     return policy
 
 
@@ -173,15 +180,42 @@ def _policy_lines(summary: dict) -> list[str]:
     return lines
 
 
+def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: int):
+    """The ``EngineConfig`` the generate flags mean, for a run with or without a draft.
+    ``EngineConfig``'s own defaults are the flags' defaults (tests/cli/test_cli.py checks
+    both give the same policy and shapes), so this only passes on what the flags set."""
+    from eagle_jax.engine import EngineConfig
+    from eagle_jax.policy import parse_shapes
+    from eagle_jax.spec_config import default_shape
+
+    policy = _spec_policy(args) if draft else "plain"
+    return EngineConfig(
+        max_batch=batch,
+        max_seq_len=max_seq_len,
+        batch_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch) + (batch,),
+        prompt_buckets=prompt_buckets_for(longest, max_seq_len),
+        dtype=args.dtype,
+        spec_policy=policy,
+        speculative=default_shape(args.steps, args.topk, args.draft_tokens) if policy in ("fixed", "threshold") else None,
+        spec_disable_batch_threshold=args.spec_disable_batch_threshold if policy == "threshold" else None,
+        spec_shapes=parse_shapes(args.spec_shapes) if policy == "auto" and args.spec_shapes is not None else None,
+        spec_calibration_s=args.spec_calibration_s,
+        # Sampled steps only when some request samples (halves the graphs otherwise).
+        sampled_steps=args.temperature > 0,
+        time_phases=args.time_phases and draft,
+        mesh=args.mesh,
+        draft_sharding=args.draft_sharding,
+        draft_sync=args.draft_sync,
+    )
+
+
 def cmd_generate(args) -> int:
     import jax
 
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.engine import Engine, EngineConfig
-    from eagle_jax.policy import parse_shapes
+    from eagle_jax.engine import Engine
     from eagle_jax.sampling import SamplingParams
     from eagle_jax.sharding import initialize_distributed
-    from eagle_jax.speculative import SpeculativeConfig
+    from eagle_jax.target import read_target_config
     from eagle_jax.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
@@ -201,9 +235,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         stop_strings=tuple(args.stop),
     )
-    spec = None
     draft_dir = None
-    policy, spec_shapes = "threshold", None
     if not args.no_speculation:
         draft_dir = args.draft or (default_draft_dir() if args.model is None else None)
         if draft_dir is not None and not draft_dir.is_dir():
@@ -213,15 +245,7 @@ def cmd_generate(args) -> int:
         if draft_dir is None:
             print("note: no draft (pass --draft DIR); decoding without speculation", file=sys.stderr)
         else:
-            policy = _spec_policy(args)
-            steps = args.steps if args.steps is not None else 3
-            topk = args.topk if args.topk is not None else 4
-            t = args.draft_tokens
-            if t is None and topk > 1:
-                t = min(8, SpeculativeConfig.max_draft_tokens(steps, topk))
-            spec = SpeculativeConfig(num_steps=steps, topk=topk, num_draft_tokens=t)
-            if policy == "auto":
-                spec_shapes = parse_shapes(args.spec_shapes) if args.spec_shapes is not None else None
+            _spec_policy(args)  # contradicting flags are an error before anything loads
     tok = Tokenizer.from_dir(model_dir)
     prompts = []
     for r in records:
@@ -232,35 +256,17 @@ def cmd_generate(args) -> int:
         # The chat template already holds BOS where the model wants it.
         prompts.append(tok.encode(text, add_special_tokens=r.messages is None))
     # Compile only the shapes this run needs: buckets up to the batch and the longest prompt.
-    context = ModelConfig.from_dir(model_dir).max_position_embeddings
+    context = read_target_config(model_dir).max_position_embeddings
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or min(context, _pow2_at_least(longest + args.max_new_tokens))
     if longest >= max_seq_len:
         raise InputError(
             f"a prompt has {longest} tokens; the context holds {max_seq_len} (max_seq_len), leaving no room for a new token"
         )
-    batch = min(args.batch_size, len(prompts))
-    threshold = args.spec_disable_batch_threshold if spec is not None and policy == "threshold" else None
-    if args.time_phases and spec is None:
+    if args.time_phases and draft_dir is None:
         print("note: --time-phases has nothing to time without speculation; ignored", file=sys.stderr)
-    config = EngineConfig(
-        max_batch=batch,
-        max_seq_len=max_seq_len,
-        batch_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch) + (batch,),
-        prompt_buckets=prompt_buckets_for(longest, max_seq_len),
-        dtype=args.dtype,
-        speculative=spec,
-        spec_disable_batch_threshold=threshold,
-        spec_policy="auto" if spec is not None and policy == "auto" else "threshold",
-        spec_shapes=spec_shapes,
-        spec_calibration_s=args.spec_calibration_s,
-        # Sampled steps only when some request samples (halves the graphs otherwise).
-        sampled_steps=args.temperature > 0,
-        time_phases=args.time_phases and spec is not None,
-        mesh=args.mesh,
-        draft_sharding=args.draft_sharding,
-        draft_sync=args.draft_sync,
-    )
+    config = engine_config(args, draft=draft_dir is not None, batch=min(args.batch_size, len(prompts)),
+                           max_seq_len=max_seq_len, longest=longest)
     enable_compilation_cache()
     engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
     params = [SamplingParams(**{**base.__dict__, "seed": (base.seed + i) % 2**32}) for i in range(len(records))]
@@ -278,7 +284,7 @@ def cmd_generate(args) -> int:
                 log.info(line)
         print(
             f"[{summary['tokens']} tokens, {summary['tokens_per_second']:.1f} tok/s"
-            + (f", mean accept length {summary['mean_accept_length']:.2f}" if spec is not None else "")
+            + (f", mean accept length {summary['mean_accept_length']:.2f}" if engine.draft is not None else "")
             + (f", {_phase_figures(summary)}" if config.time_phases else "") + "]",
             file=sys.stderr,
         )

@@ -94,6 +94,12 @@ def library_path() -> Path | None:
 def _load() -> tuple[int | None, str, Path | None]:
     """(panel width, description, library file) once the library is built, loaded and
     registered, or (None, the reason it is not, None)."""
+    # An install that lacks a source (a wheel built without it) runs XLA's dot instead,
+    # and the start-up line says why: never a crash.
+    try:
+        sources = [f.read_text() for f in SOURCES]
+    except OSError as e:
+        return None, f"kernel source missing from this install ({e.filename or e})", None
     cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler found (set CXX)", None
@@ -104,12 +110,15 @@ def _load() -> tuple[int | None, str, Path | None]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}", None
     key = hashlib.sha256(
-        "\0".join([*(f.read_text() for f in SOURCES), cxx, version, " ".join(flags), include, jax.__version__, _cpu_signature()]).encode()
+        "\0".join([*sources, cxx, version, " ".join(flags), include, jax.__version__, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     lib_path = _cache_dir() / f"libeagle_cpu_matmul-{key}.so"
     if not lib_path.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
+        try:
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
+        except OSError as e:
+            return None, f"cannot write the kernel cache {lib_path.parent}: {e} (set EAGLE_JAX_CACHE)", None
         os.close(fd)
         cmd = [cxx, *flags, "-I", include, *map(str, SOURCES), "-o", tmp]
         try:
@@ -121,7 +130,10 @@ def _load() -> tuple[int | None, str, Path | None]:
             os.unlink(tmp)
             return None, f"building the CPU kernels failed ({' '.join(cmd)}): {res.stderr.strip()[-800:]}", None
         os.replace(tmp, lib_path)  # atomic: concurrent builders each write their own temp file
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    except OSError as e:  # a cached build this machine cannot load
+        return None, f"loading {lib_path} failed: {e}", None
     nb = int(lib.eagle_packed_matmul_nb())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.eagle_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefix_attention), platform="cpu")

@@ -103,6 +103,8 @@ def package_info(dist: str, module: str) -> dict[str, Any]:
     if spec is not None:
         # A package is named by its directory, a single-file module by its file.
         location = spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin
+        # str(): an imported lazy package (transformers) lists a Path, which JSON refuses.
+        location = None if location is None else str(location)
     return {"version": version, "location": location}
 
 

@@ -56,7 +56,7 @@ import numpy as np
 from eagle_jax.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.policy import (
-    DEFAULT_AUTO_SHAPES, AutoPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
+    DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
     policy_shapes,
 )
 from eagle_jax.requests import RequestProgress, check_prompt
@@ -64,8 +64,11 @@ from eagle_jax.runtime import DRAFT_SHARDINGS, StepTable
 from eagle_jax.spec_config import DRAFT_SYNC_MODES
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
-from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.spec_config import SpeculativeConfig, default_shape
 from eagle_jax.target import TargetModel
+
+# EngineConfig.spec_policy's values (the command line's --spec-policy, plus plain).
+SPEC_POLICIES = ("auto", "fixed", "threshold", "plain")
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +119,32 @@ class EngineConfig:
         from 64 up to max_seq_len), so a prompt costs what its own bucket costs. A prompt
         longer than the largest bucket is refused (or truncated, with ``long_prompt``).
       dtype: "float32", "bfloat16", "float16" or None (float32 on CPU, bfloat16 on GPU).
-      speculative: draft shape, or None for plain decoding only.
-      spec_disable_batch_threshold: speculation runs while the padded batch is <= this;
-        None: always on (the seed system's setting; builds a ``ThresholdPolicy`` unless
-        the engine is given another ``policy``).
+      speculative: the draft shape of the "fixed" and "threshold" policies (default
+        ``spec_config.default_shape()``, tree S=3 k=4 T=8), and the sampling settings
+        (``sampling_verify``, thresholds) of every policy's shapes.
+      spec_disable_batch_threshold: the "threshold" policy's cutoff: speculation runs
+        while the padded batch is <= this.
       spec_hysteresis_steps: consecutive steps at or below the threshold before
-        speculation comes back on.
-      spec_policy: "threshold" (``speculative`` with ``spec_disable_batch_threshold``;
-        always on without a threshold) or "auto" (``AutoPolicy``: times every candidate
-        step per batch bucket at start-up and runs the one predicted fastest, plain
-        included; its acceptance prior comes from the draft's model card when the draft
-        is given as a directory).
+        speculation comes back on (and the "auto" policy's switching hysteresis).
+      spec_policy: which steps run, the command line's ``--spec-policy`` (one of
+        ``SPEC_POLICIES``):
+
+        - "auto" (``AutoPolicy``): times every candidate step per batch bucket at start-up
+          and runs the one predicted fastest, plain included; its acceptance prior comes
+          from the draft's model card when the draft is given as a directory;
+        - "fixed" (``FixedPolicy``): always the ``speculative`` shape;
+        - "threshold" (``ThresholdPolicy``): that shape, off above
+          ``spec_disable_batch_threshold``;
+        - "plain" (``PlainPolicy``): never speculate (a draft given is not used).
+
+        None (the default) picks as the command line does: "threshold" when
+        ``spec_disable_batch_threshold`` is set, "fixed" when ``speculative`` is, else
+        "auto". Without a draft the engine decodes plainly under "auto" (so
+        ``EngineConfig()`` serves a target alone, and speculates once a draft is given);
+        "fixed" and "threshold" need one.
       spec_shapes: the candidates of the "auto" policy (default
-        ``policy.DEFAULT_AUTO_SHAPES``, with ``speculative``'s sampling settings).
+        ``policy.DEFAULT_AUTO_SHAPES``, with ``speculative``'s sampling settings, or the
+        defaults when it is None).
       spec_calibration_s: the "auto" policy's start-up timing budget in seconds.
       spec_calibration_context: the committed positions of every row while the "auto"
         policy times the steps (default ``max_seq_len // 2``): a tree's verify attends
@@ -143,7 +159,7 @@ class EngineConfig:
         as two compiled graphs (draft phase, verify phase), each waited for and timed, so
         ``EngineMetrics.summary()`` reports ``draft_s``, ``verify_s`` and ``draft_share``.
         Costs the host/device overlap of speculative steps (a measuring mode, not for
-        serving); plain steps are unaffected. Needs ``speculative``.
+        serving); plain steps are unaffected. Needs a draft and a policy that speculates.
       prefill_token_budget: requests admitted together are prefilled in one call while
         their padded prompts fit this many tokens (``runtime.default_prefill_batches``).
       sampled_steps: compile steps for batches with sampled requests; False compiles the
@@ -176,10 +192,10 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] | None = None
     prompt_buckets: tuple[int, ...] | None = None
     dtype: str | None = None
-    speculative: SpeculativeConfig | None = SpeculativeConfig(num_steps=5)
+    speculative: SpeculativeConfig | None = None
     spec_disable_batch_threshold: int | None = None
     spec_hysteresis_steps: int = 4
-    spec_policy: str = "threshold"
+    spec_policy: str | None = None
     spec_shapes: tuple[SpeculativeConfig, ...] | None = None
     spec_calibration_s: float = 20.0
     spec_calibration_context: int | None = None
@@ -224,22 +240,26 @@ class EngineConfig:
         t = self.spec_disable_batch_threshold
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
-        if t is not None and self.speculative is None:
-            raise ConfigError("spec_disable_batch_threshold is set but speculative is None (nothing to switch off)")
         if self.draft_sharding not in DRAFT_SHARDINGS:
             raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
         if self.draft_sync not in ("auto",) + DRAFT_SYNC_MODES:
             raise ConfigError(f"draft_sync={self.draft_sync!r}; valid: auto, {', '.join(DRAFT_SYNC_MODES)}")
-        if self.spec_policy not in ("threshold", "auto"):
-            raise ConfigError(f"spec_policy={self.spec_policy!r}; valid: threshold, auto")
-        if self.spec_policy == "auto":
-            if self.speculative is None:
-                raise ConfigError("spec_policy='auto' needs speculative (its sampling settings; None means no draft)")
-            if t is not None:
-                raise ConfigError("spec_disable_batch_threshold goes with spec_policy='threshold' (auto measures instead)")
+        policy = self.spec_policy
+        if policy is None:  # as the command line picks (see spec_policy)
+            policy = "threshold" if t is not None else "fixed" if self.speculative is not None else "auto"
+            object.__setattr__(self, "spec_policy", policy)
+        if policy not in SPEC_POLICIES:
+            raise ConfigError(f"spec_policy={policy!r}; valid: {', '.join(SPEC_POLICIES)}")
+        if policy in ("fixed", "threshold") and self.speculative is None:
+            object.__setattr__(self, "speculative", default_shape())
+        if policy == "threshold" and t is None:
+            raise ConfigError("spec_policy='threshold' needs spec_disable_batch_threshold (the batch size above which "
+                              "speculation is off)")
+        if policy != "threshold" and t is not None:
+            raise ConfigError(f"spec_disable_batch_threshold goes with spec_policy='threshold', not {policy!r}")
         if self.spec_shapes is not None:
-            if self.spec_policy != "auto":
-                raise ConfigError("spec_shapes are the candidates of spec_policy='auto'")
+            if policy != "auto":
+                raise ConfigError(f"spec_shapes are the candidates of spec_policy='auto', not {policy!r}")
             shapes = tuple(self.spec_shapes)
             object.__setattr__(self, "spec_shapes", shapes)
             if not shapes or not all(isinstance(x, SpeculativeConfig) for x in shapes):
@@ -261,8 +281,8 @@ class EngineConfig:
             raise ConfigError(f"sampled_steps={self.sampled_steps!r} must be True or False")
         if not isinstance(self.time_phases, bool):
             raise ConfigError(f"time_phases={self.time_phases!r} must be True or False")
-        if self.time_phases and self.speculative is None:
-            raise ConfigError("time_phases is set but speculative is None (no draft or verify phase to time)")
+        if self.time_phases and policy == "plain":
+            raise ConfigError("time_phases is set but spec_policy='plain' (no draft or verify phase to time)")
         object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))
 
 
@@ -475,15 +495,16 @@ class EngineMetrics:
 def _load(target, draft, dtype, mesh=None):
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.config import ModelConfig
+    from eagle_jax.target import read_target_config
 
     if isinstance(target, (str, Path)):
         path = Path(target)
         cfg = None
         if isinstance(draft, (str, Path)):
             # The draft says which target layers feed it; build the target to return those.
-            dcfg = read_draft_config(draft, target_cfg=ModelConfig.from_dir(path))
-            cfg = ModelConfig.from_dir(path).replace(aux_layer_ids=dcfg.aux_layer_ids)
+            tcfg = read_target_config(path)
+            dcfg = read_draft_config(draft, target_cfg=tcfg)
+            cfg = tcfg.replace(aux_layer_ids=dcfg.aux_layer_ids)
         # On a mesh of several devices each parameter is read straight into its shards.
         target = load_model(path, dtype=dtype, config=cfg, mesh=mesh)
     if isinstance(draft, (str, Path)):
@@ -511,12 +532,12 @@ class Engine:
 
     Args:
       target: a loaded target model or a Hugging Face checkpoint directory.
-      draft: an ``Eagle3Draft``, a draft checkpoint directory, or None (needs
-        ``config.speculative`` None).
+      draft: an ``Eagle3Draft``, a draft checkpoint directory, or None (plain decoding
+        under the default "auto" policy; "fixed" and "threshold" need a draft).
       config: ``EngineConfig``.
       tokenizer: for text prompts and output (default: the target directory's).
-      policy: a ``SpeculationPolicy`` (default: ``ThresholdPolicy`` from the config, or
-        ``PlainPolicy`` without speculation). Every shape it lists is compiled.
+      policy: a ``SpeculationPolicy`` (default: ``default_policy(config)``, the one
+        ``config.spec_policy`` names). Every shape it lists is compiled.
       draft_hook: a tree hook traced into speculative steps, e.g. ``oracle.OracleHook``
         (measurement only); requests then pass ``hook_data`` rows of ``hook_width`` ints.
       progress: show a progress bar while compiling.
@@ -922,18 +943,22 @@ class Engine:
         return f"Engine({self._describe})"
 
 
-def default_policy(config: EngineConfig, draft_dir: str | Path | None = None) -> SpeculationPolicy:
-    """The policy an ``EngineConfig`` implies: the threshold cutoff, the measured cost
-    model (with the model card of the draft in ``draft_dir`` as its prior), or plain."""
-    if config.speculative is None:
+def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *, has_draft: bool = True) -> SpeculationPolicy:
+    """The policy an ``EngineConfig`` implies (``spec_policy``): the measured cost model
+    (with the model card of the draft in ``draft_dir`` as its prior), the fixed shape,
+    the threshold cutoff, or plain; plain under "auto" when there is no draft."""
+    name = config.spec_policy
+    if name == "plain" or (name == "auto" and not has_draft):
         return PlainPolicy()
-    if config.spec_policy == "auto":
-        s = config.speculative
+    if name == "auto":
+        s = config.speculative or SpeculativeConfig()
         fields = dict(sampling_verify=s.sampling_verify, threshold_single=s.threshold_single, threshold_acc=s.threshold_acc)
         shapes = config.spec_shapes or parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
         prior = card_acceptance(draft_dir) if draft_dir is not None else None
         return AutoPolicy(shapes, prior=prior, hysteresis=config.spec_hysteresis_steps,
                           calibration_budget_s=config.spec_calibration_s)
+    if name == "fixed":
+        return FixedPolicy(config.speculative)
     return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)
 
 
@@ -941,13 +966,17 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     """Load, check, compile; returns the engine's attributes (or raises)."""
     if not isinstance(config, EngineConfig):
         raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
-    if config.speculative is not None and draft is None:
-        raise ConfigError("config.speculative is set but no draft was given (pass draft=, or speculative=None)")
+    if draft is None and policy is None and config.spec_policy in ("fixed", "threshold"):
+        raise ConfigError(f"spec_policy={config.spec_policy!r} speculates ({config.speculative.shape}) but no draft "
+                          "was given (pass draft=, or spec_policy='plain')")
     if policy is None:
-        policy = default_policy(config, draft if isinstance(draft, (str, Path)) else None)
+        policy = default_policy(config, draft if isinstance(draft, (str, Path)) else None, has_draft=draft is not None)
     if not isinstance(policy, SpeculationPolicy):
         raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
     shapes = policy_shapes(policy)
+    if config.time_phases and not shapes:
+        raise ConfigError("time_phases is set but nothing speculates (no draft, or a plain policy): no draft or "
+                          "verify phase to time")
     if shapes and draft is None:
         raise ConfigError(f"policy {type(policy).__name__} speculates ({[s.shape for s in shapes]}) but no draft was given")
     if (draft_hook is None) != (hook_width == 0):
@@ -996,14 +1025,13 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     metrics = EngineMetrics(compiles_at_ready=compile_count(), phase_timing=config.time_phases)
     if shapes:
         metrics.accepted_at_depth = np.zeros(max(s.num_steps for s in shapes), np.int64)
-    spec = config.speculative
     feature_note = ""
     if table.draft is not None:
         feature_note = f"; draft features {_feature_layers(target)}; draft sync {_sync_note(table, config)}"
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
         f"speculation {policy.describe()}"
-        + (f", sampling verify {spec.sampling_verify}" if spec is not None and shapes else "")
+        + (f", sampling verify {shapes[0].sampling_verify}" if shapes else "")
         + f"; batch buckets {config.batch_buckets}; prompt buckets {config.prompt_buckets} "
         f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
         f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "

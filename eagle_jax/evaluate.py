@@ -320,9 +320,9 @@ def load_models(model_dir: Path, draft_dir: Path, dtype: str | None):
     """Target (built to return the draft's feature layers) and draft, loaded once for every engine."""
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.config import ModelConfig
+    from eagle_jax.target import read_target_config
 
-    tcfg = ModelConfig.from_dir(model_dir)
+    tcfg = read_target_config(model_dir)
     dcfg = read_draft_config(draft_dir, target_cfg=tcfg)
     target = load_model(model_dir, dtype=dtype, config=tcfg.replace(aux_layer_ids=dcfg.aux_layer_ids))
     return target, load_draft(draft_dir, target=target, dtype=dtype)
@@ -357,7 +357,7 @@ def run_eval(
     base = dict(max_batch=1, max_seq_len=max_seq_len, prompt_buckets=buckets, sampled_steps=False)
     progress = sys.stderr.isatty()
     log(f"building 2 engines (plain; {len(shapes)} shapes), max_seq_len {max_seq_len}, prompt buckets {buckets}")
-    plain = Engine(target, None, EngineConfig(speculative=None, **base), tokenizer, progress=progress)
+    plain = Engine(target, None, EngineConfig(spec_policy="plain", **base), tokenizer, progress=progress)
     policy = SwitchedPolicy(shapes)
     spec = Engine(target, draft, EngineConfig(speculative=shapes[0], **base), tokenizer, policy=policy, progress=progress)
     runs_order = [("plain", None)] + [(cfg.shape, cfg) for cfg in shapes]

@@ -7,7 +7,7 @@ deferred: ``EngineConfig.draft_sync``). After the step's results are read it cal
 ``shapes``, so the step table compiles them all at start-up; returning anything else is a
 bug the engine reports.
 
-``ThresholdPolicy`` is the seed system's ``--spec-disable-batch-threshold`` with
+``ThresholdPolicy`` is ``--spec-disable-batch-threshold``, a manual batch cutoff, with
 hysteresis; ``FixedPolicy`` always speculates with one shape; ``PlainPolicy`` never does.
 ``AutoPolicy`` is a measured cost model: it times every compiled step per batch bucket at
 start-up (``calibrate``), estimates each shape's accept length from a prior (the draft's

@@ -96,6 +96,24 @@ class SpeculativeConfig:
         return (self.num_steps - 1) * self.topk
 
 
+# The shape of the fixed and threshold policies when none is given (the CLI's --steps,
+# --topk and --draft-tokens defaults, and ``EngineConfig(spec_policy="fixed")``'s): tied
+# fastest (with chain S=2) for the released SmolLM2 draft on a 2-core CPU.
+DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_TREE_TOKENS = 3, 4, 8
+
+
+def default_shape(num_steps: int | None = None, topk: int | None = None, num_draft_tokens: int | None = None,
+                  **fields) -> SpeculativeConfig:
+    """The fixed shape with the unset parts defaulted: S=3, k=4, and T=8 for a tree (or
+    all its nodes if fewer), S+1 for a chain. ``fields``: sampling settings."""
+    s = DEFAULT_STEPS if num_steps is None else num_steps
+    k = DEFAULT_TOPK if topk is None else topk
+    t = num_draft_tokens
+    if t is None and k > 1:
+        t = min(DEFAULT_TREE_TOKENS, SpeculativeConfig.max_draft_tokens(s, k))
+    return SpeculativeConfig(num_steps=s, topk=k, num_draft_tokens=t, **fields)
+
+
 _SHAPE_RE = re.compile(r"^\s*(?:chain\s+S=(\d+)|tree\s+S=(\d+)\s+k=(\d+)\s+T=(\d+))\s*$")
 
 

@@ -178,6 +178,18 @@ def family_for(config_dict: dict, where: str = "config.json") -> TargetFamily:
     return fam
 
 
+def read_target_config(path, kind: str = "checkpoint"):
+    """The frozen config of the target checkpoint in directory ``path``, read by the
+    implementation its config.json names (any registered family): what every command
+    sizes its context and features by, never one family's own config class."""
+    from pathlib import Path
+
+    from eagle_jax.config import read_config_json
+
+    raw = read_config_json(path, kind)
+    return family_for(raw, str(Path(path) / "config.json")).config_from_hf(raw)
+
+
 def _ensure_builtin() -> None:
     # The built-in families register themselves on import; importing here (not at module
     # top) keeps this module below model.py in the layering.

@@ -75,7 +75,7 @@ def main():
     base = dict(max_batch=1, max_seq_len=256, prompt_buckets=(64, 256))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; {model_dir} float32; "
           f"draft {draft_dir}; {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, batch 1")
-    engines = {"plain": Engine(target, None, EngineConfig(speculative=None, **base), tok, progress=False)}
+    engines = {"plain": Engine(target, None, EngineConfig(spec_policy="plain", **base), tok, progress=False)}
     for name in args.configs:
         engines[name] = Engine(target, draft, EngineConfig(speculative=CONFIGS[name], **base), tok, progress=False)
     for engine in engines.values():

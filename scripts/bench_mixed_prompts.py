@@ -37,7 +37,7 @@ def engine_for(target, tok, prompts, new_tokens):
     longest = max(len(p) for p in prompts)
     max_seq_len = min(target.config.max_position_embeddings, pow2_at_least(longest + new_tokens))
     cfg = EngineConfig(max_batch=1, max_seq_len=max_seq_len, prompt_buckets=prompt_buckets_for(longest, max_seq_len),
-                       speculative=None, sampled_steps=False)
+                       spec_policy="plain", sampled_steps=False)
     return Engine(target, None, cfg, tok, progress=False)
 
 

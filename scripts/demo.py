@@ -88,7 +88,7 @@ def main():
     sp = SamplingParams(max_new_tokens=args.max_new_tokens)
     base = dict(max_batch=1, max_seq_len=256, prompt_buckets=(64, 256))
 
-    plain = Engine(str(model_dir), None, EngineConfig(speculative=None, **base), tok)
+    plain = Engine(str(model_dir), None, EngineConfig(spec_policy="plain", **base), tok)
     plain_out, plain_tps = timed_run(plain, prompts, sp)
     for q, c in zip(QUESTIONS, plain_out):
         print(f"\n> {q}\n{c.text}")

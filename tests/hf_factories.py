@@ -164,3 +164,52 @@ def write_tiny_eval_models(root):
         '{"id": "p2", "prompt": "w7 w8 w100"}\n'
     )
     return {"target": target, "draft": draft, "suite": suite, "root": root}
+
+
+# ----------------------------------------------------------------------------- every family
+
+# One tiny random checkpoint per registered target architecture, for the command-line
+# tests: name -> architectures[0] it writes.
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
+}
+
+
+def _family_hf_model(name: str, seed: int):
+    if name == "mistral":
+        torch.manual_seed(seed)
+        cfg = transformers.MistralConfig(**TINY, head_dim=16, rope_theta=1e4, sliding_window=None, tie_word_embeddings=False)
+        return transformers.MistralForCausalLM(cfg).eval()
+    if name in ("deepseek_v3", "kimi_k25"):
+        return make_deepseek_model("ds_qlora_yarn_groups", seed)
+    return make_hf_model({"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3"}[name], seed)
+
+
+def write_family_checkpoint(name: str, directory, seed: int = 0):
+    """A tiny random checkpoint of family ``name`` (a key of ``FAMILIES``) with a word
+    tokenizer in ``directory``; returns the transformers model whose weights it holds (for
+    Kimi-K2.5, the DeepSeek-V3 text model, stored the way a Kimi-K2.5 directory stores it:
+    config under ``text_config``, tensors under ``language_model.``)."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    hf = _family_hf_model(name, seed)
+    hf.save_pretrained(directory, safe_serialization=True)
+    if name == "kimi_k25":
+        from safetensors.torch import load_file, save_file
+
+        inner = {**json.loads((directory / "config.json").read_text()), "model_type": "kimi_k2"}
+        outer = {"architectures": [FAMILIES[name]], "model_type": "kimi_k25", "text_config": inner}
+        (directory / "config.json").write_text(json.dumps(outer, indent=2))
+        tensors = load_file(directory / "model.safetensors")
+        save_file({f"language_model.{k}": v for k, v in tensors.items()}, directory / "model.safetensors",
+                  metadata={"format": "pt"})
+    eos = hf.config.eos_token_id
+    write_word_tokenizer(directory, hf.config.vocab_size, eos_id=2 if eos is None else int(eos))
+    return hf

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eagle_jax import ablate, cli
-from eagle_jax.errors import ConfigError
+from eagle_jax.errors import ConfigError, InputError
 from hf_factories import write_tiny_eval_models
 
 
@@ -123,7 +123,7 @@ def test_tiny_sweep_writes_lines_table_and_plot_and_reproduces(tiny, tmp_path):
     assert len((out / "points.jsonl").read_text().splitlines()) == 8
     other = tmp_path / "other.toml"
     other.write_text(_config(tiny, 'shape = ["chain S=3"]'))
-    with pytest.raises(Exception, match="written by another config"):
+    with pytest.raises(InputError, match="written by another config"):
         ablate.run_sweep(ablate.load_config(other), out)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eagle_jax import cpu_matmul
+from eagle_jax.errors import ConfigError
 from eagle_jax.model import PrefixMask, prefix_attention
 
 
@@ -93,7 +94,7 @@ def test_supported_and_env(monkeypatch):
     assert not cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.float32)
     assert "prefix attention in XLA" in cpu_matmul.status("cpu")[1]
     monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", "fast")
-    with pytest.raises(Exception, match="must be one of"):
+    with pytest.raises(ConfigError, match="must be one of"):
         cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.float32)
 
 

@@ -21,13 +21,23 @@ from eagle_jax import cpu_matmul
 from eagle_jax.errors import ConfigError
 
 
+def x86_flags() -> set[str] | None:
+    """The CPU's x86 feature flags (/proc/cpuinfo), or None off x86 or without the file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    line = next((l for l in lines if l.startswith("flags")), None)
+    return set(line.split(":", 1)[-1].split()) if line is not None else None
+
+
 def test_builds_and_reports():
     use, line = cpu_matmul.status("cpu")
     assert use, line
     assert "packed-weight CPU kernel" in line
     assert cpu_matmul.panel_width() in (16, 64)
-    flags = set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
-    if cpu_matmul.march() == "native":  # the code path is the best one this CPU has
+    flags = x86_flags()
+    if flags is not None and cpu_matmul.march() == "native":  # the code path is the best one this x86 CPU has
         isa = "AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else "generic vectors"
         assert f"({isa}, " in line, line
     assert cpu_matmul.status("gpu") == (False, "XLA dot (gpu)")
@@ -68,6 +78,21 @@ def test_pack_refuses_what_does_not_fit():
         cpu_matmul.pack(np.zeros((8, nb + 1), np.float32))
     assert not cpu_matmul.packable(np.zeros((8, nb + 1), np.float32))
     assert not cpu_matmul.packable(jnp.zeros((8, nb), jnp.bfloat16))
+
+
+def test_a_missing_kernel_source_falls_back_to_xla_and_says_why(monkeypatch, tmp_path):
+    """An install without one of the sources (a wheel built without it) runs XLA's dot;
+    the start-up line's matrix-product part names the missing file. No crash."""
+    missing = tmp_path / "cpu_attention.cc"
+    monkeypatch.setattr(cpu_matmul, "SOURCES", (cpu_matmul.SOURCE, missing))
+    cpu_matmul._load.cache_clear()
+    try:
+        use, line = cpu_matmul.status("cpu")
+    finally:
+        monkeypatch.undo()
+        cpu_matmul._load.cache_clear()  # the real build again (cached on disk) for the tests after this one
+    assert not use
+    assert line.startswith("XLA dot (packed kernel unavailable: kernel source missing") and "cpu_attention.cc" in line, line
 
 
 def test_mode_env(monkeypatch):
@@ -119,7 +144,9 @@ def test_every_code_path_passes_the_kernel_tests(march, tmp_path):
     """The AVX2 build (``haswell``) and the generic-vector build (``x86-64``) of both
     kernels pass this file's and the attention kernel's tests: a CPU of each kind runs
     code this machine has checked, not only the path ``-march=native`` picks here."""
-    flags = set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
+    flags = x86_flags()
+    if flags is None:
+        pytest.skip("haswell and x86-64 are x86 builds; this CPU is not x86 (no flags line in /proc/cpuinfo)")
     if march == "haswell" and not {"avx2", "fma"} <= flags:
         pytest.fail("this CPU cannot run the AVX2 build; the test needs one that can")
     here = Path(__file__).parent

@@ -283,7 +283,7 @@ def test_time_phases_attributes_time_to_the_right_phase(timed_engine, monkeypatc
 
 def test_unknown_checkpoint_path(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
-        Engine(str(tmp_path / "nope"), None, EngineConfig(speculative=None), progress=False)
+        Engine(str(tmp_path / "nope"), None, EngineConfig(), progress=False)
 
 
 def test_draft_that_does_not_fit(target):
@@ -295,6 +295,35 @@ def test_draft_that_does_not_fit(target):
 def test_speculation_without_draft_is_rejected(target):
     with pytest.raises(ConfigError, match="no draft"):
         Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, speculative=SPEC), progress=False)
+    with pytest.raises(ConfigError, match="spec_policy='fixed' speculates"):
+        Engine(target, None, EngineConfig(max_batch=1, max_seq_len=32, spec_policy="fixed"), progress=False)
+
+
+def test_default_config_decodes_plainly_without_a_draft(model_dir, target):
+    """``EngineConfig()``'s policy is auto: without a draft that is plain decoding, from a
+    directory as from a loaded target, greedy-equal to the Generator."""
+    from eagle_jax.engine import default_policy
+    from eagle_jax.policy import FixedPolicy, PlainPolicy
+
+    eng = Engine(str(model_dir), None, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,)), progress=False)
+    assert isinstance(eng.policy, PlainPolicy) and eng.config.spec_policy == "auto"
+    [c] = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    [want] = Generator(target, buckets=Buckets(batch=(1,), prompt=(16,), cache=(32,)), max_seq_len=32).generate(
+        [[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert c.token_ids == want.token_ids
+    # The fixed policy is chosen by the same field, with the default shape.
+    assert EngineConfig(spec_policy="fixed").speculative.shape == "tree S=3 k=4 T=8"
+    assert EngineConfig(speculative=SPEC).spec_policy == "fixed"
+    assert isinstance(default_policy(EngineConfig(spec_policy="fixed")), FixedPolicy)
+
+
+def test_the_serving_api_is_importable_from_the_package():
+    import eagle_jax
+    from eagle_jax import Engine as E, EngineConfig as C, SamplingParams as S
+
+    assert (E, C, S) == (Engine, EngineConfig, SamplingParams)
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        eagle_jax.Engin
 
 
 @pytest.mark.parametrize(
@@ -307,12 +336,14 @@ def test_speculation_without_draft_is_rejected(target):
         (dict(batch_buckets=(2, 1, 8)), "batch_buckets"),
         (dict(max_seq_len=64, prompt_buckets=(16, 128)), "prompt_buckets"),  # past max_seq_len
         (dict(spec_disable_batch_threshold=-1), "spec_disable_batch_threshold"),
-        (dict(speculative=None, spec_disable_batch_threshold=2), "spec_disable_batch_threshold"),
+        (dict(spec_policy="fixed", spec_disable_batch_threshold=2), "spec_disable_batch_threshold"),
+        (dict(spec_policy="threshold"), "spec_disable_batch_threshold"),
+        (dict(spec_policy="sometimes"), "spec_policy"),
         (dict(long_prompt="drop"), "long_prompt"),
         (dict(dtype="int8"), "dtype"),
         (dict(kernel_impl="cuda"), "kernel_impl"),
         (dict(time_phases="yes"), "time_phases"),
-        (dict(speculative=None, time_phases=True), "time_phases"),
+        (dict(spec_policy="plain", time_phases=True), "time_phases"),
         (dict(prefill_token_budget=0), "prefill_token_budget"),
         (dict(sampled_steps="no"), "sampled_steps"),
     ],

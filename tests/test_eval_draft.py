@@ -1,6 +1,7 @@
 """`eagle-jax eval-draft`: the built-in suites, prompt-file errors, the figures, and the
 check that speculative output equals plain decoding, end to end on a tiny target and draft."""
 
+import argparse
 import json
 
 import pytest
@@ -68,7 +69,7 @@ def test_shapes_parse_and_bad_ones_are_refused():
     assert cfg.shape == "tree S=3 k=4 T=8" and evaluate.shape_arg(cfg) == "3/4/8"
     assert evaluate.shape_config((2,)).shape == "chain S=2"
     for bad in ("3/4", "x", "3/4/8/1", ""):
-        with pytest.raises(Exception, match="give S"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give S"):
             evaluate.parse_shape(bad)
     with pytest.raises(InputError, match="--shapes 3/4/99"):
         evaluate.shape_config((3, 4, 99))

@@ -293,8 +293,10 @@ def test_request_timing_separates_queueing_from_decoding(target):
         assert c.decode_tokens_per_second is not None and c.decode_tokens_per_second > 0
         t = c.timing()
         assert set(t) == {"queue_s", "ttft_s", "decode_tokens_per_second", "tokens_per_second"}
-    # Identical work: the last request's from-arrival rate is well below its decode rate.
-    assert out[2].tokens_per_second < 0.75 * out[2].decode_tokens_per_second
+    # Identical work: the last request waited for both others to decode (40 steps each),
+    # so its from-arrival rate is below its decode rate, and below the first request's.
+    # Only orderings, which hold however loaded the machine: no ratio of measured rates.
+    assert out[2].tokens_per_second < out[2].decode_tokens_per_second
     assert out[2].tokens_per_second < out[0].tokens_per_second
 
 

@@ -492,7 +492,7 @@ def _answer(args, target, tok, paths: dict, todo: dict, *, total: int, done: int
             engine = Engine(
                 target, None,
                 EngineConfig(
-                    max_batch=args.batch_size, max_seq_len=ctx, speculative=None,
+                    max_batch=args.batch_size, max_seq_len=ctx, spec_policy="plain",
                     # Full batches but for the last few answers: two batch sizes are enough.
                     batch_buckets=tuple(sorted({min(16, args.batch_size), args.batch_size})),
                     prompt_buckets=tuple(sorted({min(b, ctx) for b in prompt_buckets} | {ctx})),

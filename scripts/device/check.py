@@ -163,6 +163,7 @@ def section_env(rec: Record, out: Path) -> None:
         return v
 
     rec.attempt("versions", versions)
+    rec.attempt("date", lambda: time.strftime("%Y-%m-%d", time.gmtime()))
 
     def devices():
         d = jax.devices()[0]

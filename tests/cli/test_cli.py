@@ -10,6 +10,7 @@ import pytest
 
 from eagle_jax.cli import build_parser
 from eagle_jax.errors import InputError
+from eagle_jax.spec_config import SpeculativeConfig
 
 
 def run(*args, timeout=300):
@@ -119,7 +120,7 @@ def test_generate_speculative_equals_plain(tmp_path, smollm2_dir):
 def test_doctor_runs(smollm2_dir):
     r = run("doctor", "--model", smollm2_dir)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "eagle_jax.engine" in r.stdout and "editable" in r.stdout
+    assert "eagle_jax.engine" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -147,6 +148,46 @@ def test_spec_policy_flags(argv, want):
     else:
         with pytest.raises(InputError, match=re.escape(want)):
             _spec_policy(args)
+
+
+def _described(policy):
+    from eagle_jax.policy import policy_shapes
+
+    return type(policy).__name__, policy.describe(), tuple(policy_shapes(policy)), policy.runs_plain
+
+
+@pytest.mark.parametrize("argv, api", [
+    ([], {}),
+    (["--spec-shapes", "chain S=1, tree S=3 k=4 T=8"], dict(spec_shapes=("chain S=1", "tree S=3 k=4 T=8"))),
+    (["--spec-policy", "auto", "--spec-calibration-s", "5"], dict(spec_policy="auto", spec_calibration_s=5.0)),
+    (["--steps", "2", "--topk", "1"], dict(speculative=SpeculativeConfig(num_steps=2))),
+    (["--spec-policy", "fixed"], dict(spec_policy="fixed")),
+    (["--topk", "2"], dict(speculative=SpeculativeConfig(num_steps=3, topk=2, num_draft_tokens=8))),
+    (["--spec-disable-batch-threshold", "4"], dict(spec_disable_batch_threshold=4)),
+    (["--spec-policy", "threshold", "--steps", "2", "--spec-disable-batch-threshold", "1"],
+     dict(speculative=SpeculativeConfig(num_steps=2, topk=4, num_draft_tokens=8), spec_disable_batch_threshold=1)),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_cli_and_api_build_the_same_policy(argv, api):
+    """The generate flags and the same settings given to ``EngineConfig`` (its defaults
+    for the flags not given) build the same policy and shapes, with a draft and without."""
+    from eagle_jax.cli import engine_config
+    from eagle_jax.engine import EngineConfig, default_policy
+    from eagle_jax.policy import parse_shape
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", *argv])
+    if "spec_shapes" in api:
+        api = {**api, "spec_shapes": tuple(parse_shape(t) for t in api["spec_shapes"])}
+    sizes = dict(batch=4, max_seq_len=64, longest=10)
+    for draft in (True, False):
+        cli_config = engine_config(args, draft=draft, **sizes)
+        api_config = EngineConfig(max_batch=4, max_seq_len=64, batch_buckets=cli_config.batch_buckets,
+                                  prompt_buckets=cli_config.prompt_buckets, sampled_steps=False,
+                                  **(api if draft else {"spec_policy": "plain", "spec_calibration_s": api.get("spec_calibration_s", 20.0)}))
+        assert cli_config == api_config, draft
+        assert _described(default_policy(cli_config, has_draft=draft)) == _described(default_policy(api_config, has_draft=draft))
+    # Without a draft the defaults decode plainly, with one they run auto.
+    assert _described(default_policy(EngineConfig(), has_draft=False))[0] == "PlainPolicy"
+    assert _described(default_policy(EngineConfig(), has_draft=True))[0] == "AutoPolicy"
 
 
 def test_unknown_spec_shape_is_a_start_up_error(tmp_path, capsys):

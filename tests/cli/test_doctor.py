@@ -105,17 +105,23 @@ def test_lists_every_project_module_with_its_file(report):
         assert Path(listed[name]["file"]).resolve() == file
 
 
-def test_install_is_editable_from_this_checkout(report):
+def test_install_names_where_the_code_comes_from(report):
+    """The tests import this checkout; the report says so, with the installed copy's
+    version, and warns exactly when the installed copy is another one (an editable
+    install of another checkout, or a wheel, shadowed by this one on the path). How it
+    was installed (editable or not) is the machine's business, not the test's
+    (tests/test_packaging.py checks a wheel install)."""
     install = report["eagle_jax"]
-    assert install["editable"] is True
-    assert Path(install["source"]) == REPO
     assert Path(install["imported_from"]) == REPO
     assert install["version"] == importlib.metadata.version("eagle-jax")
     git = install["git"]
     if "error" not in git:  # a machine without git is fine; a checkout has a commit
         assert re.fullmatch(r"[0-9a-f]{40}", git["commit"])
         assert isinstance(git["dirty"], bool)
-    assert report["warnings"] == []
+    if Path(install["source"]) == REPO:
+        assert report["warnings"] == []
+    else:
+        assert any("another copy shadows the install" in w for w in report["warnings"]), report["warnings"]
 
 
 def _fake_distribution(site: Path, dist: str, version: str, module_files: list[str]) -> None:
