@@ -68,7 +68,7 @@ class Record:
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + limit_s
         self.dry = dry
-        self.data = {"section": name, "status": "running", "limit_s": limit_s, "dry_run": dry,
+        self.data = {"section": name, "status": "running", "limit_s": round(limit_s, 1), "dry_run": dry,
                      "items": {}, "skipped": [], "errors": []}
         self.save()
 
