@@ -510,3 +510,35 @@ def test_a_store_of_another_model_prompt_file_or_settings_is_refused(tiny_dir, g
         draft_data(*_answers_argv(tiny_dir, *gz_prompts, clone, "--seed", "1"))
     with pytest.raises(InputError, match="--answers .* needs --prompt-file"):
         draft_data("--model", tiny_dir, "--answers", clone, "--synthetic", "4", *SETTINGS)
+
+
+@pytest.mark.slow  # a subprocess that imports jax and compiles: ~1 min on 2 cores
+def test_sigterm_writes_the_shard_in_progress(tiny_dir, gz_prompts, answer_store, tmp_path):
+    """A session's end (SIGTERM) keeps every finished answer: the buffered shard is
+    written before the process exits, and the next run answers only the rest."""
+    store = tmp_path / "answers"
+    argv = [str(a) for a in _answers_argv(tiny_dir, *gz_prompts, store)]
+    argv[argv.index("--shard-tokens") + 1] = "100000"  # nothing is written before the signal
+    cmd = [sys.executable, "-m", "eagle_jax.cli", "draft-data", *argv, "--progress-every", "0.01"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    try:
+        for line in proc.stderr:
+            err.append(line)
+            if line.startswith("answers: ") and "/45 prompts" in line and int(line.split()[1].split("/")[0]) >= 3:
+                proc.send_signal(signal.SIGTERM)
+                break
+        err.append(proc.stderr.read())
+        assert proc.wait(timeout=120) == 130, "".join(err)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted: the answers finished so far are saved" in "".join(err)
+    m = json.loads((store / "train" / "manifest.json").read_text())
+    assert len(m["shards"]) == 1 and m["answers"] >= 3
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"train: resuming, {m['answers']} of 42 prompts already answered" in r.stderr
+    assert _store_answers(store / "train") == _store_answers(answer_store / "train")
