@@ -642,29 +642,43 @@ class AnswerStore:
     overwritten. One process at a time: the directory is locked while open.
     """
 
-    def __init__(self, path: str | Path, identity: dict, *, vocab_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                 describe: dict | None = None):
+    def __init__(self, path: str | Path, identity: dict | None, *, vocab_size: int,
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, describe: dict | None = None, read_only: bool = False):
         import fcntl
 
         self.path = Path(path)
-        self.identity = dict(identity)
         self.vocab_size = vocab_size
         self.shard_tokens = shard_tokens
+        self.read_only = read_only
         self.token_dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock)
-            raise InputError(f"{self.path} is being written by another process (draft-data running?)") from None
+        self._lock = None
+        if read_only:
+            # Checked as it stands (e.g. the committed stores, by a test): the identity
+            # is the manifest's own, and nothing is locked or written.
+            if identity is None:
+                m = read_json_object(self.manifest_path, "an answer-store manifest") if self.manifest_path.is_file() else None
+                if m is None:
+                    raise InputError(f"{self.path} has no {ANSWERS_MANIFEST}: not an answer store")
+                identity = {k: m.get(k) for k in ("model_sha256", "prompt_file_sha256", "settings")}
+        else:
+            if identity is None:
+                raise ValueError("a store opened for writing needs the identity of the answers it takes")
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = os.open(self.path, os.O_RDONLY)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._unlock()
+                raise InputError(f"{self.path} is being written by another process (draft-data running?)") from None
+        self.identity = dict(identity)
         try:
             self.manifest = self._read_manifest(describe or {})
             self.answers: dict[int, StoredAnswer] = {}
             for entry in self.manifest["shards"]:
                 self._load_shard(entry)
-            for tmp in self.path.glob(".shard-*.tmp"):
-                tmp.unlink()  # a shard a kill cut off while it was written
+            if not read_only:
+                for tmp in self.path.glob(".shard-*.tmp"):
+                    tmp.unlink()  # a shard a kill cut off while it was written
         except BaseException:
             self._unlock()
             raise
@@ -678,7 +692,7 @@ class AnswerStore:
 
     def _read_manifest(self, describe: dict) -> dict:
         if not self.manifest_path.is_file():
-            if any(p.name.startswith("shard-") for p in self.path.iterdir()):
+            if self.path.is_dir() and any(p.name.startswith("shard-") for p in self.path.iterdir()):
                 raise InputError(f"{self.path} holds shards but no {ANSWERS_MANIFEST}: not a complete answer store")
             return {"format": ANSWERS_FORMAT, "version": ANSWERS_VERSION, **describe, **self.identity,
                     "answers": 0, "response_tokens": 0, "shards": []}
@@ -737,6 +751,8 @@ class AnswerStore:
 
     def add(self, index: int, conv: Conversation, *, batch_size: int | None = None) -> None:
         """Buffer the answer to prompt record ``index``; a full buffer is written as a shard."""
+        if self.read_only:
+            raise EagleJaxError(f"{self.path} was opened read-only")
         if index in self.answers or any(a.index == index for a in self._pending):
             raise EagleJaxError(f"{self.path}: prompt record {index} is answered already")
         if conv.finish_reason not in _FINISH_CODES:
