@@ -542,3 +542,17 @@ def test_sigterm_writes_the_shard_in_progress(tiny_dir, gz_prompts, answer_store
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"train: resuming, {m['answers']} of 42 prompts already answered" in r.stderr
     assert _store_answers(store / "train") == _store_answers(answer_store / "train")
+
+
+def test_growing_train_prompts_into_a_store(tiny_dir, gz_prompts, answer_store, tmp_path, capsys):
+    """What scripts/draft_answers.sh does: growing prefixes of the prompt file into one
+    store; each pass asks only for the new prompts, and a smaller one asks for nothing."""
+    store = tmp_path / "answers"
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "10")) == 0
+    assert json.loads((store / "train" / "manifest.json").read_text())["answers"] == 10
+    capsys.readouterr()
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "1000")) == 0
+    assert "train: resuming, 10 of 42 prompts already answered" in capsys.readouterr().err
+    assert _store_answers(store / "train") == _store_answers(answer_store / "train")
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "5")) == 0
+    assert "train: resuming, 5 of 5 prompts already answered" in capsys.readouterr().err
