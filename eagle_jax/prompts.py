@@ -78,7 +78,7 @@ def iter_prompt_file(path: str | Path) -> Iterator[tuple[str, PromptRecord]]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"prompt file {path} not found")
-    with path.open("rb") as f:
+    with open_prompt_bytes(path) as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             if len(raw) > MAX_LINE_BYTES:
@@ -94,6 +94,32 @@ def iter_prompt_file(path: str | Path) -> Iterator[tuple[str, PromptRecord]]:
             except json.JSONDecodeError as e:
                 raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
             yield where, parse_record(obj, where, default_id=lineno, line=lineno)
+
+
+def open_prompt_bytes(path: str | Path):
+    """A prompt file opened for reading bytes; ``.gz`` files (large prompt sets kept in
+    git compressed) are decompressed on the fly."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.open(path, "rb")
+    return path.open("rb")
+
+
+def prompt_file_sha256(path: str | Path) -> str:
+    """sha256 of a prompt file's content, decompressed when it is a ``.gz``: a file and
+    its compressed copy have the same digest."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open_prompt_bytes(path) as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except (OSError, EOFError) as e:
+        raise InputError(f"prompt file {path}: unreadable ({e})") from e
+    return h.hexdigest()
 
 
 def read_prompt_file(path: str | Path) -> list[PromptRecord]:

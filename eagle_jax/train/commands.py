@@ -1,6 +1,7 @@
 """``eagle-jax draft-data`` and ``eagle-jax train-draft``: make a draft for a target.
 
     eagle-jax draft-data --model DIR --out DATA [--synthetic 1024 | --prompt-file F.jsonl [--eval-prompt-file H.jsonl]]
+    eagle-jax draft-data --model DIR --answers data/draft-answers/MODEL --prompt-file F.jsonl.gz [--out DATA]
     eagle-jax train-draft --model DIR --data DATA --out DRAFT
 
 ``draft-data`` has the target answer the prompts (conversations.jsonl,
@@ -56,6 +57,16 @@ Growing: --train-prompts N answers the first N usable training prompts; a later 
 into the same --out with a larger N keeps every answer made and asks only for the new
 ones (the features are then recomputed). A smaller N than the answers on file is refused.
 
+Committed answers (--answers DIR): the answers are kept in DIR/<prompt file name>/ as
+compressed shards of token ids (uint16 .npz, about 25,000 response tokens each; no
+text, no features), each prompt named by its record's index in the prompt file, with a
+manifest.json naming the model's and the prompt file's sha256, the settings, and every
+shard's counts and sha256. Commit DIR: a later run, on any machine, with the same model,
+prompt file and settings, asks only for the prompts not answered there. A shard whose
+sha256 does not match the manifest is refused by name, as is a store made with another
+model, prompt file or settings. Without --out, draft-data stops after answering.
+Prompt files may be gzipped (.jsonl.gz); their sha256 is that of the decompressed text.
+
 Resuming: answers are appended to the conversations files as they finish, and features
 are written shard by shard. Run the same command again with the same --out to continue
 a killed run: prompts already answered are not asked again (a line torn by the kill is
@@ -76,7 +87,14 @@ def add_parsers(sub) -> None:
         description=DRAFT_DATA_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d.add_argument("--model", type=Path, default=None, help="target model directory (default: the default model)")
-    d.add_argument("--out", type=Path, required=True, help="data directory to write (or to resume)")
+    d.add_argument("--out", type=Path, default=None,
+                   help="data directory to write (or to resume): answers and features; optional with --answers")
+    d.add_argument("--answers", type=Path, default=None, metavar="DIR",
+                   help="keep the answers as committed shards in DIR/<prompt file name>/ (e.g. "
+                        "data/draft-answers/smollm2-135m-instruct): resumed from there, by any later run on any machine; "
+                        "without --out, only answer (no features)")
+    d.add_argument("--shard-tokens", type=_positive_int, default=None, metavar="N",
+                   help="with --answers: response tokens per shard (default 25000; a kill loses at most the shard in progress)")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--synthetic", type=_positive_int, default=None, metavar="N",
                      help="N built-in template prompts (default 1024 when no --prompt-file)")
@@ -194,13 +212,17 @@ class _Split:
     skipped: dict
     source: dict
     file: str | None = None
+    path: Path | None = None  # the prompt file (None: built-in prompts)
+    indexes: list | None = None  # each request's record index in that file (0-based, blank lines not counted)
 
 
-def _encode_records(records, path: Path, tok, budget: int) -> tuple[list, dict]:
+def _encode_records(records, path: Path, tok, budget: int, start: int = 0) -> tuple[list, dict, list]:
+    """(requests, skipped counts, record indexes of the requests); ``records`` begin at
+    record ``start`` of ``path``."""
     from eagle_jax.prompts import chat_problem
 
-    requests, skipped = [], {}
-    for r in records:
+    requests, skipped, indexes = [], {}, []
+    for k, r in enumerate(records, start):
         problem = chat_problem(r)
         if problem is None:
             try:
@@ -216,13 +238,14 @@ def _encode_records(records, path: Path, tok, budget: int) -> tuple[list, dict]:
             skipped[problem] = skipped.get(problem, 0) + 1
             continue
         requests.append((r.id, ids))
-    return requests, skipped
+        indexes.append(k)
+    return requests, skipped, indexes
 
 
 def _prompts(args, tok, budget: int) -> dict[str, _Split]:
     """The train and eval prompts, encoded; prompts over ``budget`` tokens and records
     that cannot be answered are skipped and counted (see DRAFT_DATA_DESCRIPTION)."""
-    from eagle_jax.prompts import check_unique_ids, read_prompt_file
+    from eagle_jax.prompts import check_unique_ids, prompt_file_sha256, read_prompt_file
     from eagle_jax.train.data import id_key
     from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
@@ -245,15 +268,15 @@ def _prompts(args, tok, budget: int) -> dict[str, _Split]:
 
     records = read_prompt_file(args.prompt_file)
     check_unique_ids(records, args.prompt_file)
-    sha = _file_sha256(args.prompt_file)
+    sha = prompt_file_sha256(args.prompt_file)
     if args.eval_prompt_file is None:
         n_eval = 64 if args.eval_prompts is None else args.eval_prompts
         if n_eval >= len(records):
             raise InputError(f"--eval-prompts {n_eval} leaves no training prompts of the {len(records)} in {args.prompt_file}")
         cut = len(records) - n_eval
         parts = {
-            "train": (records[:cut], args.prompt_file, {"sha256": sha, "records": f"all but the last {n_eval}"}),
-            "eval": (records[cut:], args.prompt_file, {"sha256": sha, "records": f"the last {n_eval}"}),
+            "train": (records[:cut], args.prompt_file, {"sha256": sha, "records": f"all but the last {n_eval}"}, 0),
+            "eval": (records[cut:], args.prompt_file, {"sha256": sha, "records": f"the last {n_eval}"}, cut),
         }
     else:
         held = read_prompt_file(args.eval_prompt_file)
@@ -267,18 +290,20 @@ def _prompts(args, tok, budget: int) -> dict[str, _Split]:
                 )
         n_eval = len(held) if args.eval_prompts is None else min(args.eval_prompts, len(held))
         parts = {
-            "train": (records, args.prompt_file, {"sha256": sha, "records": "all"}),
-            "eval": (held[:n_eval], args.eval_prompt_file, {"sha256": _file_sha256(args.eval_prompt_file), "records": f"the first {n_eval}"}),
+            "train": (records, args.prompt_file, {"sha256": sha, "records": "all"}, 0),
+            "eval": (held[:n_eval], args.eval_prompt_file,
+                     {"sha256": prompt_file_sha256(args.eval_prompt_file), "records": f"the first {n_eval}"}, 0),
         }
     splits = {}
-    for split, (recs, path, source) in parts.items():
+    for split, (recs, path, source, start) in parts.items():
         if recs:
-            requests, skipped = _encode_records(recs, path, tok, budget)
-            splits[split] = _Split(requests, skipped, source, path.name)
+            requests, skipped, indexes = _encode_records(recs, path, tok, budget, start)
+            splits[split] = _Split(requests, skipped, source, path.name, path, indexes)
     if args.train_prompts is not None and "train" in splits:
         # The first N in file order, so N prompts of a shuffled file are a fair sample of
         # it and a larger N later extends the set instead of replacing it.
         splits["train"].requests = splits["train"].requests[: args.train_prompts]
+        splits["train"].indexes = splits["train"].indexes[: args.train_prompts]
     return _check_train(splits, str(args.prompt_file))
 
 
@@ -366,10 +391,80 @@ def _check_out_dir(out: Path, identity: dict) -> dict | None:
     return old
 
 
+def _store_name(path: Path) -> str:
+    """The answer-store subdirectory for a prompt file: its name without .gz / .jsonl."""
+    name = path.name
+    for suffix in (".gz", ".jsonl"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+class _StoreWriter:
+    """Hands a split's finished answers to its prompt file's ``AnswerStore`` by record index."""
+
+    def __init__(self, store, index_of: dict, batch_size: int):
+        self.store, self.index_of, self.batch_size = store, index_of, batch_size
+
+    def add(self, conv) -> None:
+        from eagle_jax.train.data import id_key
+
+        self.store.add(self.index_of[id_key(conv.id)], conv, batch_size=self.batch_size)
+
+
+def _open_stores(args, splits: dict, model_dir: Path, model_sha: str, vocab_size: int) -> dict:
+    """split -> (the ``AnswerStore`` of its prompt file under --answers, {id key: record
+    index}); splits drawn from one file share its store."""
+    from eagle_jax.train.data import AnswerStore, id_key
+
+    by_file: dict = {}
+    out = {}
+    try:
+        for split, sp in splits.items():
+            name = _store_name(sp.path)
+            if name not in by_file:
+                identity = {
+                    "model_sha256": model_sha, "prompt_file_sha256": sp.source["sha256"],
+                    "settings": {"max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len,
+                                 "sampled_fraction": args.sampled_fraction, "temperature": args.temperature, "seed": args.seed},
+                }
+                describe = {"model": model_dir.resolve().name, "prompt_file": sp.path.name}
+                by_file[name] = AnswerStore(args.answers / name, identity, vocab_size=vocab_size,
+                                            shard_tokens=args.shard_tokens, describe=describe)
+            elif by_file[name].identity["prompt_file_sha256"] != sp.source["sha256"]:
+                raise InputError(f"{sp.path} and another prompt file would share {args.answers / name}: rename one")
+            out[split] = (by_file[name], {id_key(rid): i for (rid, _), i in zip(sp.requests, sp.indexes)})
+    except BaseException:
+        for st in by_file.values():
+            st._unlock()
+        raise
+    return out
+
+
+def _stored_answers(store, sp, temperature: float) -> dict:
+    """The answers ``store`` holds for the split ``sp``'s requests, as Conversations by id key."""
+    from eagle_jax.train.data import Conversation, id_key, prompt_crc
+
+    got = {}
+    for (rid, ids), i in zip(sp.requests, sp.indexes):
+        a = store.answers.get(i)
+        if a is None:
+            continue
+        if a.prompt_crc != prompt_crc(ids):
+            raise InputError(
+                f"{store.path}: the stored answer to record {i} (id {rid!r}) of {sp.path.name} was made for a prompt "
+                f"that tokenizes differently now (another tokenizer or chat template?)"
+            )
+        got[id_key(rid)] = Conversation(list(ids), a.response_ids, a.finish_reason, temperature if a.sampled else 0.0, rid)
+    return got
+
+
 def cmd_draft_data(args) -> int:
+    import signal
+    import threading
+
     from eagle_jax.checkpoint.hf import load_model
     from eagle_jax.tokenizer import Tokenizer
-    from eagle_jax.train.data import id_key, read_answered, write_conversations, write_features
+    from eagle_jax.train.data import ConversationWriter, id_key, read_answered, write_conversations, write_features
 
     if not 0 <= args.sampled_fraction <= 1:
         raise InputError(f"--sampled-fraction {args.sampled_fraction} must be in [0, 1]")
@@ -379,32 +474,31 @@ def cmd_draft_data(args) -> int:
         raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-seq-len {args.max_seq_len}")
     if not args.progress_every > 0:
         raise InputError(f"--progress-every {args.progress_every} must be > 0")
+    if args.out is None and args.answers is None:
+        raise InputError("draft-data needs --out DATA (answers and features), --answers DIR (answers only), or both")
+    if args.shard_tokens is not None and args.answers is None:
+        raise InputError("--shard-tokens needs --answers")
+    if args.shard_tokens is None:
+        from eagle_jax.train.data import DEFAULT_SHARD_TOKENS
+
+        args.shard_tokens = DEFAULT_SHARD_TOKENS
+    if args.answers is not None and args.prompt_file is None:
+        raise InputError("--answers stores answers by their record in a prompt file: it needs --prompt-file")
     model_dir = _model_dir(args)
     out = args.out
     tok = Tokenizer.from_dir(model_dir)
     budget = args.max_seq_len - args.max_new_tokens
     splits = _prompts(args, tok, budget)
+    model_sha = _model_sha256(model_dir)
     # What the answers depend on: a run into an existing --out continues it only when
     # all of these are equal (batch size and progress settings may change).
     identity = {
-        "format": 2, "model_sha256": _model_sha256(model_dir),
+        "format": 2, "model_sha256": model_sha,
         "prompts": {name: sp.source for name, sp in splits.items()},
         "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len,
         "sampled_fraction": args.sampled_fraction, "temperature": args.temperature, "seed": args.seed,
     }
-    resumed = _check_out_dir(out, identity) is not None
-    out.mkdir(parents=True, exist_ok=True)
-    target = load_model(model_dir)
-    manifest = {
-        **identity, "status": "in progress",
-        "model": _display_path(model_dir), "model_config_sha256": _fingerprint(model_dir),
-        "prompt_files": {name: sp.file for name, sp in splits.items()},
-        "skipped": {name: sp.skipped for name, sp in splits.items()},
-        "batch_size": args.batch_size, "train_prompts": args.train_prompts,
-        "feature_layer_ids": list(target.config.feature_layer_ids), "hidden_size": target.config.hidden_size,
-        "splits": {},
-    }
-    _write_manifest(out, manifest)
+    resumed = out is not None and _check_out_dir(out, identity) is not None
     for name, sp in splits.items():
         if sp.skipped:
             print(f"{name}: skipped {sum(sp.skipped.values())} prompts: "
@@ -413,25 +507,82 @@ def cmd_draft_data(args) -> int:
     for name in [name for name, sp in splits.items() if not sp.requests]:
         print(f"{name}: no usable prompts, so no {name}/", file=sys.stderr)
         del splits[name]
-    answered, todo = {}, {}
+    target = load_model(model_dir)
+    vocab = target.config.vocab_size
+    stores = _open_stores(args, splits, model_dir, model_sha, vocab) if args.answers is not None else {}
+    try:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            manifest = {
+                **identity, "status": "in progress",
+                "model": _display_path(model_dir), "model_config_sha256": _fingerprint(model_dir),
+                "prompt_files": {name: sp.file for name, sp in splits.items()},
+                "skipped": {name: sp.skipped for name, sp in splits.items()},
+                "batch_size": args.batch_size, "train_prompts": args.train_prompts,
+                "feature_layer_ids": list(target.config.feature_layer_ids), "hidden_size": target.config.hidden_size,
+                "splits": {},
+            }
+            if stores:
+                manifest["answers"] = _display_path(args.answers)
+            _write_manifest(out, manifest)
+        answered, todo = {}, {}
+        for split, sp in splits.items():
+            if stores:
+                # The store may hold more (another run's --train-prompts): only this run's prompts count.
+                answered[split] = _stored_answers(stores[split][0], sp, args.temperature)
+            else:
+                path = out / files[split]
+                answered[split], torn = read_answered(path, vocab)
+                if torn:
+                    print(f"{split}: dropped a line of {path} torn by an interrupted run", file=sys.stderr)
+                wanted = {id_key(rid) for rid, _ in sp.requests}
+                stray = [c.id for k, c in answered[split].items() if k not in wanted]
+                if stray:
+                    hint = f" (an earlier run used a larger --train-prompts than {args.train_prompts}?)" if args.train_prompts else ""
+                    raise InputError(f"{path} answers prompts that are not in this run's {split} prompts (e.g. id {stray[0]!r}){hint}")
+            todo[split] = [r for r in sp.requests if id_key(r[0]) not in answered[split]]
+            if resumed or answered[split]:
+                print(f"{split}: resuming, {len(answered[split])} of {len(sp.requests)} prompts already answered", file=sys.stderr)
+        if stores:
+            writers = {split: _StoreWriter(st, index_of, args.batch_size) for split, (st, index_of) in stores.items()}
+        else:
+            writers = {split: ConversationWriter(out / files[split]) for split, reqs in todo.items() if reqs}
+        # SIGTERM (a session's end, `kill`) stops like Ctrl-C: the writers are closed below,
+        # so the answers finished so far are kept (a store writes its buffered shard).
+        main_thread = threading.current_thread() is threading.main_thread()
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+        try:
+            _answer(args, target, tok, writers, todo,
+                    total=sum(len(sp.requests) for sp in splits.values()), done=sum(len(a) for a in answered.values()))
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term)
+            closing = list({id(st): st for st, _ in stores.values()}.values()) if stores else list(writers.values())
+            for w in closing:
+                w.close()
+    except KeyboardInterrupt:
+        print("interrupted: the answers finished so far are saved; run the same command again to resume", file=sys.stderr)
+        return 130
+    finally:
+        for st, _ in stores.values():
+            st._unlock()
+    if stores:
+        for split, sp in splits.items():
+            st = stores[split][0]
+            have = _stored_answers(st, sp, args.temperature)
+            answered[split] = have
+            print(f"{split}: {len(have)} of {len(sp.requests)} prompts answered in {st.path} "
+                  f"({st.manifest['answers']} answers, {st.manifest['response_tokens']:,} response tokens, "
+                  f"{sum(e['bytes'] for e in st.manifest['shards']):,} bytes in {len(st.manifest['shards'])} shards)",
+                  file=sys.stderr)
+        if out is None:
+            return 0
     for split, sp in splits.items():
         path = out / files[split]
-        answered[split], torn = read_answered(path, target.config.vocab_size)
-        if torn:
-            print(f"{split}: dropped a line of {path} torn by an interrupted run", file=sys.stderr)
-        wanted = {id_key(rid) for rid, _ in sp.requests}
-        stray = [c.id for k, c in answered[split].items() if k not in wanted]
-        if stray:
-            hint = f" (an earlier run used a larger --train-prompts than {args.train_prompts}?)" if args.train_prompts else ""
-            raise InputError(f"{path} answers prompts that are not in this run's {split} prompts (e.g. id {stray[0]!r}){hint}")
-        todo[split] = [r for r in sp.requests if id_key(r[0]) not in answered[split]]
-        if resumed or answered[split]:
-            print(f"{split}: resuming, {len(answered[split])} of {len(sp.requests)} prompts already answered", file=sys.stderr)
-    _answer(args, target, tok, {split: out / files[split] for split in splits}, todo,
-            total=sum(len(sp.requests) for sp in splits.values()), done=sum(len(a) for a in answered.values()))
-    for split, sp in splits.items():
-        path = out / files[split]
-        answers, _ = read_answered(path, target.config.vocab_size)
+        if stores:
+            answers = answered[split]
+        else:
+            answers, _ = read_answered(path, vocab)
         # The file in prompt order (it was written in finishing order): the same bytes
         # however often the run was interrupted.
         convs = [answers[id_key(rid)] for rid, _ in sp.requests]
@@ -450,6 +601,10 @@ def cmd_draft_data(args) -> int:
     return 0
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _context_for(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
     """The engine context a prompt is answered in: its length rounded up to a power of
     two (at least 128), plus the answer, capped at --max-seq-len.
@@ -466,11 +621,13 @@ def _context_for(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
     return min(max_seq_len, p + max_new_tokens)
 
 
-def _answer(args, target, tok, paths: dict, todo: dict, *, total: int, done: int) -> None:
-    """Answer the ``todo`` requests of every split, appending each answer to its split's
-    file as it finishes; one engine per context group (``_context_for``), shortest first."""
+def _answer(args, target, tok, writers: dict, todo: dict, *, total: int, done: int) -> None:
+    """Answer the ``todo`` requests of every split, handing each answer to its split's
+    writer (``.add(conv)``: a ``ConversationWriter`` or an answer store's) as it finishes;
+    one engine per context group (``_context_for``), shortest first. The caller closes
+    the writers."""
     from eagle_jax.engine import Engine, EngineConfig
-    from eagle_jax.train.data import ConversationWriter, id_key, regenerate
+    from eagle_jax.train.data import id_key, regenerate
 
     if not any(todo.values()):
         return
@@ -480,7 +637,6 @@ def _answer(args, target, tok, paths: dict, todo: dict, *, total: int, done: int
         for r in reqs:
             groups.setdefault(_context_for(len(r[1]), args.max_new_tokens, args.max_seq_len), []).append(r)
     bar = _Progress("answers", total, done, "prompts", args.progress_every)
-    writers = {split: ConversationWriter(paths[split]) for split, reqs in todo.items() if reqs}
     tokens = 0
     try:
         for ctx in sorted(groups):
@@ -513,8 +669,6 @@ def _answer(args, target, tok, paths: dict, todo: dict, *, total: int, done: int
             )
             del engine  # its caches before the next one's
     finally:
-        for w in writers.values():
-            w.close()
         bar.close()
 
 

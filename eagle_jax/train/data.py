@@ -550,3 +550,262 @@ def write_features(
             on_progress(rows.stop, n, int(resp[: rows.stop].sum()))
     del arrays  # unmap before reading back
     return FeatureSet.load(path)
+
+
+# ----------------------------------------------------------------------------- answer shards
+
+ANSWERS_FORMAT = "eagle-jax draft answers"
+ANSWERS_VERSION = 1
+ANSWERS_MANIFEST = "manifest.json"
+# Enough answers per shard that a directory of 1.5 M tokens holds about 60 files, few
+# enough that a kill loses minutes of a 2-core CPU's work (the shard in progress).
+DEFAULT_SHARD_TOKENS = 25_000
+_FINISH_CODES = ("stop", "length")
+_SHARD_ARRAYS = ("index", "length", "tokens", "finish", "sampled", "prompt_crc")
+
+
+def prompt_crc(prompt_ids: Sequence[int]) -> int:
+    """crc32 of a prompt's token ids: a stored answer carries it, so an answer is never
+    paired with a prompt that now tokenizes differently (another tokenizer or template)."""
+    import zlib
+
+    return zlib.crc32(np.asarray(prompt_ids, np.int32).tobytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredAnswer:
+    """One answer in an ``AnswerStore``: the prompt is the record at ``index`` (0-based,
+    blank lines not counted) of the store's prompt file."""
+
+    index: int
+    response_ids: list[int]
+    finish_reason: str
+    sampled: bool
+    prompt_crc: int
+
+
+def _write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """An ``.npz`` (``np.load`` reads it) with deflate level 9 and fixed timestamps, so
+    equal arrays give equal bytes; written to a hidden temporary file, synced, then
+    renamed over ``path``, so a kill leaves either no shard or a whole one."""
+    import zipfile
+
+    tmp = path.parent / f".{path.name}.tmp"
+    with open(tmp, "wb") as f:
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
+            for name, arr in arrays.items():
+                info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+                info.compress_type = zipfile.ZIP_DEFLATED
+                with zf.open(info, "w", force_zip64=True) as g:
+                    np.lib.format.write_array(g, np.ascontiguousarray(arr), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class AnswerStore:
+    """The target's answers to one prompt file, as compressed shards in a directory meant
+    to be committed (``data/draft-answers/<model>/<prompt file>/``), so answers made in
+    one session are kept by git and a later session, on another machine, continues.
+
+    ``manifest.json`` names what the answers depend on (``identity``: the model's sha256,
+    the prompt file's sha256, the generation settings) and lists every shard with its
+    counts and sha256. A shard ``shard-NNNNN.npz`` holds, per answer, the prompt's record
+    index in the prompt file (prompts are not stored: they are in the prompt file), the
+    response token ids (uint16 when the vocabulary allows, concatenated), whether it
+    stopped at an end token or the length cap, whether it was sampled, and the crc32 of
+    the prompt's token ids (``prompt_crc``). No text, no features.
+
+    Opening a store checks it whole: another identity is refused field by field, and a
+    listed shard that is missing, or whose sha256 or contents do not match the manifest,
+    is refused by name. Answers are buffered and written ``shard_tokens`` response
+    tokens at a time (``add``/``flush``): the shard to a temporary file then renamed,
+    then the manifest likewise, so a kill loses at most the shard in progress; a shard
+    file the manifest does not list (a kill between the two renames) is ignored and
+    overwritten. One process at a time: the directory is locked while open.
+    """
+
+    def __init__(self, path: str | Path, identity: dict | None, *, vocab_size: int,
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, describe: dict | None = None, read_only: bool = False):
+        import fcntl
+
+        self.path = Path(path)
+        self.vocab_size = vocab_size
+        self.shard_tokens = shard_tokens
+        self.read_only = read_only
+        self.token_dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+        self._lock = None
+        if read_only:
+            # Checked as it stands (e.g. the committed stores, by a test): the identity
+            # is the manifest's own, and nothing is locked or written.
+            if identity is None:
+                m = read_json_object(self.manifest_path, "an answer-store manifest") if self.manifest_path.is_file() else None
+                if m is None:
+                    raise InputError(f"{self.path} has no {ANSWERS_MANIFEST}: not an answer store")
+                identity = {k: m.get(k) for k in ("model_sha256", "prompt_file_sha256", "settings")}
+        else:
+            if identity is None:
+                raise ValueError("a store opened for writing needs the identity of the answers it takes")
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = os.open(self.path, os.O_RDONLY)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._unlock()
+                raise InputError(f"{self.path} is being written by another process (draft-data running?)") from None
+        self.identity = dict(identity)
+        try:
+            self.manifest = self._read_manifest(describe or {})
+            self.answers: dict[int, StoredAnswer] = {}
+            for entry in self.manifest["shards"]:
+                self._load_shard(entry)
+            if not read_only:
+                for tmp in self.path.glob(".shard-*.tmp"):
+                    tmp.unlink()  # a shard a kill cut off while it was written
+        except BaseException:
+            self._unlock()
+            raise
+        self._pending: list[StoredAnswer] = []
+        self._pending_tokens = 0
+        self._batch_size: int | None = None
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / ANSWERS_MANIFEST
+
+    def _read_manifest(self, describe: dict) -> dict:
+        if not self.manifest_path.is_file():
+            if self.path.is_dir() and any(p.name.startswith("shard-") for p in self.path.iterdir()):
+                raise InputError(f"{self.path} holds shards but no {ANSWERS_MANIFEST}: not a complete answer store")
+            return {"format": ANSWERS_FORMAT, "version": ANSWERS_VERSION, **describe, **self.identity,
+                    "answers": 0, "response_tokens": 0, "shards": []}
+        m = read_json_object(self.manifest_path, "an answer-store manifest")
+        if m.get("format") != ANSWERS_FORMAT or m.get("version") != ANSWERS_VERSION:
+            raise InputError(f"{self.manifest_path}: not an answer store of version {ANSWERS_VERSION} "
+                             f"(format {m.get('format')!r}, version {m.get('version')!r})")
+        diffs = [f"{k}: {m.get(k)!r} there, {v!r} now" for k, v in self.identity.items() if m.get(k) != v]
+        if diffs:
+            raise InputError(
+                f"{self.path} holds answers made with another model, prompt file or settings, so it cannot be added to ("
+                + "; ".join(diffs) + "). Use the model, prompt file and settings its manifest names, or another --answers directory."
+            )
+        if not isinstance(m.get("shards"), list):
+            raise InputError(f"{self.manifest_path}: 'shards' is not a list")
+        return m
+
+    def _load_shard(self, entry: dict) -> None:
+        try:
+            name, want_sha, n, ntok = entry["file"], entry["sha256"], int(entry["answers"]), int(entry["tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{self.manifest_path}: bad shard entry {entry!r}") from e
+        f = self.path / name
+        if Path(name).name != name or not f.is_file():
+            raise InputError(f"{f}: shard listed in {self.manifest_path} is missing (restore it from git, e.g. `git checkout -- {f}`)")
+        got = _file_sha256(f)
+        if got != want_sha:
+            raise InputError(
+                f"{f}: sha256 {got} does not match {want_sha} in {self.manifest_path}; refusing the changed or damaged "
+                f"shard (restore it from git, e.g. `git checkout -- {f}`)"
+            )
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                arrs = {k: z[k] for k in _SHARD_ARRAYS}
+        except (OSError, ValueError, KeyError) as e:
+            raise InputError(f"{f}: not an answer shard ({e})") from e
+        lens = arrs["length"].astype(np.int64)
+        ok = (
+            all(arrs[k].shape == (n,) for k in ("index", "length", "finish", "sampled", "prompt_crc"))
+            and arrs["tokens"].shape == (ntok,) and int(lens.sum()) == ntok and (lens > 0).all()
+            and (arrs["finish"] < len(_FINISH_CODES)).all()
+            and (arrs["tokens"].astype(np.int64) < self.vocab_size).all()
+        )
+        if not ok:
+            raise InputError(f"{f}: contents do not match its manifest entry ({n} answers, {ntok} tokens) or are out of range")
+        ends = np.cumsum(lens)
+        toks = arrs["tokens"].astype(np.int64)
+        for j in range(n):
+            i = int(arrs["index"][j])
+            if i in self.answers:
+                raise InputError(f"{f}: answers prompt record {i} again (an earlier shard has it)")
+            self.answers[i] = StoredAnswer(
+                i, toks[ends[j] - lens[j]: ends[j]].tolist(), _FINISH_CODES[int(arrs["finish"][j])],
+                bool(arrs["sampled"][j]), int(arrs["prompt_crc"][j]),
+            )
+
+    def add(self, index: int, conv: Conversation, *, batch_size: int | None = None) -> None:
+        """Buffer the answer to prompt record ``index``; a full buffer is written as a shard."""
+        if self.read_only:
+            raise EagleJaxError(f"{self.path} was opened read-only")
+        if index in self.answers or any(a.index == index for a in self._pending):
+            raise EagleJaxError(f"{self.path}: prompt record {index} is answered already")
+        if conv.finish_reason not in _FINISH_CODES:
+            raise EagleJaxError(f"{self.path}: answer to record {index} ended with {conv.finish_reason!r}")
+        self._pending.append(StoredAnswer(index, list(conv.response_ids), conv.finish_reason, conv.temperature > 0,
+                                          prompt_crc(conv.prompt_ids)))
+        self._pending_tokens += len(conv.response_ids)
+        self._batch_size = batch_size
+        if self._pending_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered answers as the next shard, then the manifest."""
+        if not self._pending:
+            return
+        pend = self._pending
+        name = f"shard-{len(self.manifest['shards']):05d}.npz"
+        arrays = {
+            "index": np.array([a.index for a in pend], np.uint32),
+            "length": np.array([len(a.response_ids) for a in pend], np.uint16 if self.identity.get("max_new_tokens", 0) < 1 << 16 else np.uint32),
+            "tokens": np.array([t for a in pend for t in a.response_ids], self.token_dtype),
+            "finish": np.array([_FINISH_CODES.index(a.finish_reason) for a in pend], np.uint8),
+            "sampled": np.array([a.sampled for a in pend], np.uint8),
+            "prompt_crc": np.array([a.prompt_crc for a in pend], np.uint32),
+        }
+        _write_npz_atomic(self.path / name, arrays)
+        entry = {"file": name, "answers": len(pend), "tokens": int(arrays["tokens"].size),
+                 "bytes": (self.path / name).stat().st_size, "sha256": _file_sha256(self.path / name)}
+        if self._batch_size is not None:
+            entry["batch_size"] = self._batch_size
+        self.manifest["shards"].append(entry)
+        self.manifest["answers"] = int(self.manifest.get("answers", 0)) + len(pend)
+        self.manifest["response_tokens"] = int(self.manifest.get("response_tokens", 0)) + entry["tokens"]
+        _write_json_atomic(self.manifest_path, self.manifest)
+        _fsync_dir(self.path)
+        for a in pend:
+            self.answers[a.index] = a
+        self._pending, self._pending_tokens = [], 0
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor drops the lock
+            self._lock = None
+
+    def close(self) -> None:
+        """Write what is buffered and unlock."""
+        try:
+            self.flush()
+        finally:
+            self._unlock()
+
+    def __enter__(self) -> "AnswerStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

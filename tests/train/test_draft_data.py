@@ -357,3 +357,202 @@ def test_read_answered_drops_only_a_torn_last_line(tmp_path):
     path.write_text(Conversation([1], [2]).to_json() + "\n")
     with pytest.raises(InputError, match=r"c\.jsonl:1: record has no id"):
         read_answered(path)
+
+
+# ----------------------------------------------------------------------------- committed answers (--answers)
+
+SHARD_TOKENS = 80  # a few answers per shard: the tiny run writes several
+
+
+def _answers_argv(tiny_dir, train, held, answers, *extra):
+    return ["--model", tiny_dir, "--answers", answers, "--prompt-file", train, "--eval-prompt-file", held,
+            *SETTINGS, "--shard-tokens", str(SHARD_TOKENS), *extra]
+
+
+@pytest.fixture(scope="module")
+def gz_prompts(prompt_files, tmp_path_factory):
+    """The training prompts gzipped, as the repository keeps its large prompt file."""
+    import gzip
+
+    d = tmp_path_factory.mktemp("gz")
+    (d / "train.jsonl.gz").write_bytes(gzip.compress(prompt_files[0].read_bytes(), mtime=0))
+    return d / "train.jsonl.gz", prompt_files[1]
+
+
+@pytest.fixture(scope="module")
+def answer_store(tiny_dir, gz_prompts, tmp_path_factory):
+    """Answers only (no --out), kept as shards: what a session commits."""
+    root = tmp_path_factory.mktemp("store") / "answers"
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, root)) == 0
+    return root
+
+
+def _no_generation(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("an answer was regenerated")
+
+    monkeypatch.setattr(data_mod, "regenerate", refuse)
+
+
+def test_answer_shards_round_trip(tiny_dir, gz_prompts, prompt_files, reference, answer_store, tmp_path, monkeypatch, capsys):
+    """The store a run leaves, copied like a commit and a clone would, gives a later run
+    every answer without generating one, and the same data as a run that never stored."""
+    import shutil
+
+    from eagle_jax.prompts import prompt_file_sha256
+
+    train_store = answer_store / "train"
+    m = json.loads((train_store / "manifest.json").read_text())
+    assert m["prompt_file"] == "train.jsonl.gz" and m["prompt_file_sha256"] == prompt_file_sha256(prompt_files[0])
+    assert m["settings"] == {"max_new_tokens": 16, "max_seq_len": 160, "sampled_fraction": 0.5, "temperature": 0.7, "seed": 0}
+    assert len(m["shards"]) >= 3 and m["answers"] == 42 == sum(s["answers"] for s in m["shards"])
+    assert m["response_tokens"] == sum(s["tokens"] for s in m["shards"])
+    assert all(s["batch_size"] == 2 and len(s["sha256"]) == 64 for s in m["shards"])
+    assert sorted(p.name for p in train_store.iterdir()) == sorted(["manifest.json", *(s["file"] for s in m["shards"])])
+    with np.load(train_store / m["shards"][0]["file"]) as z:  # plain numpy reads a shard
+        assert z["tokens"].dtype == np.uint16 and z["index"].dtype == np.uint32
+    assert json.loads((answer_store / "held" / "manifest.json").read_text())["answers"] == 3  # held.jsonl
+
+    clone = tmp_path / "clone"
+    shutil.copytree(answer_store, clone)
+    out = tmp_path / "out"
+    _no_generation(monkeypatch)
+    capsys.readouterr()
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, clone, "--out", out)) == 0
+    err = capsys.readouterr().err
+    assert "train: resuming, 42 of 42 prompts already answered" in err and "eval: resuming, 3 of 3" in err
+    assert (out / "conversations.jsonl").read_bytes() == (reference / "conversations.jsonl").read_bytes()
+    assert (out / "eval_conversations.jsonl").read_bytes() == (reference / "eval_conversations.jsonl").read_bytes()
+    a, b = FeatureSet.load(out / "train"), FeatureSet.load(reference / "train")
+    for name in data_mod.FEATURE_FILES:
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+    # Nothing written to the store: no answer was new.
+    assert json.loads((clone / "train" / "manifest.json").read_text()) == m
+
+
+def test_a_kill_while_a_shard_is_written_loses_that_shard_only(tiny_dir, gz_prompts, answer_store, tmp_path, monkeypatch, capsys):
+    store = tmp_path / "answers"
+    real = data_mod._write_npz_atomic
+    calls = []
+
+    def dying(path, arrays):
+        calls.append(path.name)
+        if len(calls) >= 3:  # cut off half-way through the third shard; the process dies there
+            (path.parent / f".{path.name}.tmp").write_bytes(b"PK\x03\x04partial")
+            raise _Killed()
+        real(path, arrays)
+
+    monkeypatch.setattr(data_mod, "_write_npz_atomic", dying)
+    with pytest.raises(_Killed):
+        draft_data(*_answers_argv(tiny_dir, *gz_prompts, store))
+    monkeypatch.undo()
+    m = json.loads((store / "train" / "manifest.json").read_text())
+    assert [s["file"] for s in m["shards"]] == ["shard-00000.npz", "shard-00001.npz"]
+    kept = m["answers"]
+    capsys.readouterr()
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store)) == 0
+    assert f"train: resuming, {kept} of 42 prompts already answered" in capsys.readouterr().err
+    assert not list((store / "train").glob(".*.tmp"))
+    # Every answer once, each the same as the uninterrupted store's.
+    assert _store_answers(store / "train") == _store_answers(answer_store / "train")
+
+
+def _store_answers(path):
+    """index -> (response ids, finish, sampled) of every shard a store's manifest lists."""
+    m = json.loads((path / "manifest.json").read_text())
+    out = {}
+    for s in m["shards"]:
+        with np.load(path / s["file"]) as z:
+            ends = np.cumsum(z["length"].astype(int))
+            for j, i in enumerate(z["index"].tolist()):
+                assert i not in out
+                out[i] = (z["tokens"][ends[j] - z["length"][j]: ends[j]].tolist(), int(z["finish"][j]), int(z["sampled"][j]))
+    return out
+
+
+def test_a_changed_shard_is_refused_by_name(tiny_dir, gz_prompts, answer_store, tmp_path, monkeypatch):
+    import shutil
+
+    clone = tmp_path / "clone"
+    shutil.copytree(answer_store, clone)
+    shard = clone / "train" / "shard-00001.npz"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    _no_generation(monkeypatch)
+    with pytest.raises(InputError, match=r"train/shard-00001\.npz: sha256 [0-9a-f]{64} does not match .* refusing"):
+        draft_data(*_answers_argv(tiny_dir, *gz_prompts, clone))
+    shard.unlink()
+    with pytest.raises(InputError, match=r"train/shard-00001\.npz: shard listed in .* is missing"):
+        draft_data(*_answers_argv(tiny_dir, *gz_prompts, clone))
+
+
+def test_a_store_of_another_model_prompt_file_or_settings_is_refused(tiny_dir, gz_prompts, answer_store, tmp_path, monkeypatch):
+    import gzip
+    import shutil
+
+    clone = tmp_path / "clone"
+    shutil.copytree(answer_store, clone)
+    _no_generation(monkeypatch)
+    manifest = clone / "train" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**m, "model_sha256": "0" * 64}))
+    with pytest.raises(InputError, match=r"train holds answers made with another model.*model_sha256: '0000"):
+        draft_data(*_answers_argv(tiny_dir, *gz_prompts, clone))
+    manifest.write_text(json.dumps(m))
+
+    other = tmp_path / "other" / "train.jsonl.gz"  # the same name, other prompts
+    other.parent.mkdir()
+    other.write_bytes(gzip.compress(gzip.decompress(gz_prompts[0].read_bytes()).replace(b"w10", b"w13", 1)))
+    with pytest.raises(InputError, match=r"another model, prompt file or settings.*prompt_file_sha256"):
+        draft_data(*_answers_argv(tiny_dir, other, gz_prompts[1], clone))
+    with pytest.raises(InputError, match=r"another model, prompt file or settings.*settings.*'seed': 0.*'seed': 1"):
+        draft_data(*_answers_argv(tiny_dir, *gz_prompts, clone, "--seed", "1"))
+    with pytest.raises(InputError, match="--answers .* needs --prompt-file"):
+        draft_data("--model", tiny_dir, "--answers", clone, "--synthetic", "4", *SETTINGS)
+
+
+@pytest.mark.slow  # a subprocess that imports jax and compiles: ~1 min on 2 cores
+def test_sigterm_writes_the_shard_in_progress(tiny_dir, gz_prompts, answer_store, tmp_path):
+    """A session's end (SIGTERM) keeps every finished answer: the buffered shard is
+    written before the process exits, and the next run answers only the rest."""
+    store = tmp_path / "answers"
+    argv = [str(a) for a in _answers_argv(tiny_dir, *gz_prompts, store)]
+    argv[argv.index("--shard-tokens") + 1] = "100000"  # nothing is written before the signal
+    cmd = [sys.executable, "-m", "eagle_jax.cli", "draft-data", *argv, "--progress-every", "0.01"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    try:
+        for line in proc.stderr:
+            err.append(line)
+            if line.startswith("answers: ") and "/45 prompts" in line and int(line.split()[1].split("/")[0]) >= 3:
+                proc.send_signal(signal.SIGTERM)
+                break
+        err.append(proc.stderr.read())
+        assert proc.wait(timeout=120) == 130, "".join(err)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted: the answers finished so far are saved" in "".join(err)
+    m = json.loads((store / "train" / "manifest.json").read_text())
+    assert len(m["shards"]) == 1 and m["answers"] >= 3
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"train: resuming, {m['answers']} of 42 prompts already answered" in r.stderr
+    assert _store_answers(store / "train") == _store_answers(answer_store / "train")
+
+
+def test_growing_train_prompts_into_a_store(tiny_dir, gz_prompts, answer_store, tmp_path, capsys):
+    """What scripts/draft_answers.sh does: growing prefixes of the prompt file into one
+    store; each pass asks only for the new prompts, and a smaller one asks for nothing."""
+    store = tmp_path / "answers"
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "10")) == 0
+    assert json.loads((store / "train" / "manifest.json").read_text())["answers"] == 10
+    capsys.readouterr()
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "1000")) == 0
+    assert "train: resuming, 10 of 42 prompts already answered" in capsys.readouterr().err
+    assert _store_answers(store / "train") == _store_answers(answer_store / "train")
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "5")) == 0
+    assert "train: resuming, 5 of 5 prompts already answered" in capsys.readouterr().err
