@@ -9,7 +9,7 @@ State carried between steps (``SpecState``), per sequence b:
 - ``draft_hidden[b]``: the draft's pre-norm output for the row that consumed ``root``;
   its logits propose the token after ``root``.
 
-Conventions (see ../shared/docs/eagle3-reference.md):
+Conventions (those of the EAGLE-3 reference code and SGLang; docs/architecture.md):
 
 - The draft row at position p takes the target feature of position p and the token at
   p+1, and predicts the token at p+2. So the prompt's draft prefill pairs features
