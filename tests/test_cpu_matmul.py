@@ -82,7 +82,10 @@ def test_pack_refuses_what_does_not_fit():
 
 def test_a_missing_kernel_source_falls_back_to_xla_and_says_why(monkeypatch, tmp_path):
     """An install without one of the sources (a wheel built without it) runs XLA's dot;
-    the start-up line's matrix-product part names the missing file. No crash."""
+    the start-up line's matrix-product part names the missing file. No crash. (In the
+    default mode: EAGLE_JAX_CPU_MATMUL=packed, which the code-path runs set, asks for the
+    kernel and refuses to run without it; test_a_missing_source_under_packed_mode_is_an_error.)"""
+    monkeypatch.setenv("EAGLE_JAX_CPU_MATMUL", "auto")
     missing = tmp_path / "cpu_attention.cc"
     monkeypatch.setattr(cpu_matmul, "SOURCES", (cpu_matmul.SOURCE, missing))
     cpu_matmul._load.cache_clear()
@@ -93,6 +96,18 @@ def test_a_missing_kernel_source_falls_back_to_xla_and_says_why(monkeypatch, tmp
         cpu_matmul._load.cache_clear()  # the real build again (cached on disk) for the tests after this one
     assert not use
     assert line.startswith("XLA dot (packed kernel unavailable: kernel source missing") and "cpu_attention.cc" in line, line
+
+
+def test_a_missing_source_under_packed_mode_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE_JAX_CPU_MATMUL", "packed")
+    monkeypatch.setattr(cpu_matmul, "SOURCES", (cpu_matmul.SOURCE, tmp_path / "cpu_attention.cc"))
+    cpu_matmul._load.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="EAGLE_JAX_CPU_MATMUL=packed, but the kernel is unavailable: kernel source missing"):
+            cpu_matmul.status("cpu")
+    finally:
+        monkeypatch.undo()
+        cpu_matmul._load.cache_clear()
 
 
 def test_mode_env(monkeypatch):
