@@ -180,14 +180,6 @@ def _display_path(path: Path) -> str:
         return resolved.name
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # The files of a model directory that decide what the target answers: weights, config,
 # tokenizer and chat template, generation settings (end-of-sequence ids).
 _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -196,10 +188,12 @@ _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 def _model_sha256(model_dir: Path) -> str:
     """sha256 over the model's weights, config and tokenizer files: a resumed run must
     talk to the same target as the run it continues."""
+    from eagle_jax.train.data import file_sha256
+
     h = hashlib.sha256()
     files = [model_dir / n for n in _MODEL_FILES if (model_dir / n).is_file()] + sorted(model_dir.glob("*.safetensors"))
     for f in files:
-        h.update(f.name.encode() + b"\0" + _file_sha256(f).encode() + b"\n")
+        h.update(f.name.encode() + b"\0" + file_sha256(f).encode() + b"\n")
     return h.hexdigest()
 
 

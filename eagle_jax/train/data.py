@@ -612,7 +612,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -718,7 +719,7 @@ class AnswerStore:
         f = self.path / name
         if Path(name).name != name or not f.is_file():
             raise InputError(f"{f}: shard listed in {self.manifest_path} is missing (restore it from git, e.g. `git checkout -- {f}`)")
-        got = _file_sha256(f)
+        got = file_sha256(f)
         if got != want_sha:
             raise InputError(
                 f"{f}: sha256 {got} does not match {want_sha} in {self.manifest_path}; refusing the changed or damaged "
@@ -780,7 +781,7 @@ class AnswerStore:
         }
         _write_npz_atomic(self.path / name, arrays)
         entry = {"file": name, "answers": len(pend), "tokens": int(arrays["tokens"].size),
-                 "bytes": (self.path / name).stat().st_size, "sha256": _file_sha256(self.path / name)}
+                 "bytes": (self.path / name).stat().st_size, "sha256": file_sha256(self.path / name)}
         if self._batch_size is not None:
             entry["batch_size"] = self._batch_size
         self.manifest["shards"].append(entry)
