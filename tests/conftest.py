@@ -18,7 +18,12 @@ def pytest_configure(config):
 
     import jax
 
-    cache = tempfile.mkdtemp(prefix="eagle-jax-test-jit-")
+    # Under pytest-xdist (`make test` runs two workers) the controller configures first and
+    # its workers inherit the environment, so all of them share one cache directory.
+    cache = os.environ.get("EAGLE_JAX_TEST_JIT_CACHE")
+    if not cache or not os.path.isdir(cache):
+        cache = tempfile.mkdtemp(prefix="eagle-jax-test-jit-")
+        os.environ["EAGLE_JAX_TEST_JIT_CACHE"] = cache
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
