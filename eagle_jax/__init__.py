@@ -4,10 +4,10 @@ The serving API at the top level: ``from eagle_jax import Engine, EngineConfig,
 SamplingParams`` (imported on first use, so ``import eagle_jax`` stays cheap)."""
 
 _API = {
-    "Engine": "eagle_jax.engine",
-    "EngineConfig": "eagle_jax.engine",
-    "SamplingParams": "eagle_jax.sampling",
-    "SpeculativeConfig": "eagle_jax.spec_config",
+    "Engine": "eagle_jax.serving.engine",
+    "EngineConfig": "eagle_jax.serving.engine",
+    "SamplingParams": "eagle_jax.spec.sampling",
+    "SpeculativeConfig": "eagle_jax.spec.config",
 }
 
 __all__ = list(_API)

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     i.set_defaults(func=cmd_import_gguf)
 
-    from eagle_jax import ablate, bench, doctor, evaluate
+    from eagle_jax import doctor
+    from eagle_jax.experiments import ablate, bench, evaluate
     from eagle_jax.train import commands as train_commands
 
     doctor.add_parser(sub)
@@ -122,7 +123,7 @@ def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_records(args):
-    from eagle_jax.prompts import PromptRecord, read_prompt_file
+    from eagle_jax.serving.prompts import PromptRecord, read_prompt_file
 
     if args.prompt_file is not None:
         return read_prompt_file(args.prompt_file)
@@ -160,8 +161,8 @@ def _spec_policy(args) -> str:
     if not args.spec_calibration_s > 0:
         raise InputError(f"--spec-calibration-s {args.spec_calibration_s} must be > 0")
     # The shapes themselves, before anything loads: a typo is a start-up error.
-    from eagle_jax.policy import parse_shapes
-    from eagle_jax.spec_config import default_shape
+    from eagle_jax.serving.policy import parse_shapes
+    from eagle_jax.spec.config import default_shape
 
     if args.spec_shapes is not None:
         parse_shapes(args.spec_shapes)
@@ -184,9 +185,9 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
     """The ``EngineConfig`` the generate flags mean, for a run with or without a draft.
     ``EngineConfig``'s own defaults are the flags' defaults (tests/cli/test_cli.py checks
     both give the same policy and shapes), so this only passes on what the flags set."""
-    from eagle_jax.engine import EngineConfig
-    from eagle_jax.policy import parse_shapes
-    from eagle_jax.spec_config import default_shape
+    from eagle_jax.serving.engine import EngineConfig
+    from eagle_jax.serving.policy import parse_shapes
+    from eagle_jax.spec.config import default_shape
 
     policy = _spec_policy(args) if draft else "plain"
     return EngineConfig(
@@ -212,11 +213,11 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
 def cmd_generate(args) -> int:
     import jax
 
-    from eagle_jax.engine import Engine
-    from eagle_jax.sampling import SamplingParams
-    from eagle_jax.sharding import initialize_distributed
-    from eagle_jax.target import read_target_config
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.serving.engine import Engine
+    from eagle_jax.spec.sampling import SamplingParams
+    from eagle_jax.runtime.sharding import initialize_distributed
+    from eagle_jax.models.registry import read_target_config
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
     if not model_dir.is_dir():

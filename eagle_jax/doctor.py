@@ -19,98 +19,26 @@ import importlib.util
 import json
 import os
 import pkgutil
-import platform
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import unquote, urlparse
 
+from eagle_jax.environment import (  # noqa: F401  (the report's parts, re-exported)
+    DISTRIBUTION, GIT_TIMEOUT_S, OPTIONAL_PACKAGES, REQUIRED_PACKAGES, git_info, install_info, package_info,
+    packages_info, python_info,
+)
 from eagle_jax.errors import EagleJaxError
 
-# (distribution name, import name). Required ones are project dependencies; optional ones
-# are test extras or GPU plugins, reported as "not installed" when absent.
-REQUIRED_PACKAGES = (
-    ("jax", "jax"),
-    ("jaxlib", "jaxlib"),
-    ("flax", "flax"),
-    ("jaxtyping", "jaxtyping"),
-    ("numpy", "numpy"),
-    ("safetensors", "safetensors"),
-    ("tokenizers", "tokenizers"),
-    ("jinja2", "jinja2"),
-    ("gguf", "gguf"),
-    ("rich", "rich"),
-    ("matplotlib", "matplotlib"),
-    ("optax", "optax"),
-)
-OPTIONAL_PACKAGES = (
-    ("torch", "torch"),
-    ("transformers", "transformers"),
-    ("beartype", "beartype"),
-    ("hypothesis", "hypothesis"),
-    ("pytest", "pytest"),
-    # A CUDA plugin whose version differs from jaxlib's is a classic silent-CPU-fallback cause.
-    ("jax-cuda12-plugin", "jax_cuda12_plugin"),
-    ("jax-cuda12-pjrt", "jax_plugins.xla_cuda12"),
-    ("jax-cuda13-plugin", "jax_cuda13_plugin"),
-    ("jax-cuda13-pjrt", "jax_plugins.xla_cuda13"),
-)
-DISTRIBUTION = "eagle-jax"
 PROJECT_PACKAGES = ("eagle_jax", "pallas_kernels")
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "EAGLE_JAX_MODEL")
 # Any other variable with these prefixes can change what JAX or eagle-jax does, so show it too.
 ENV_PREFIXES = ("JAX_", "XLA_", "EAGLE_JAX_")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-GIT_TIMEOUT_S = 10
 MAX_PROBLEMS_SHOWN = 20
 
 
 # ----------------------------------------------------------------------------- environment
-
-
-def python_info() -> dict[str, Any]:
-    """The interpreter, its prefix and whether it runs in a virtual environment."""
-    return {
-        "version": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "executable": sys.executable,
-        "prefix": sys.prefix,
-        "base_prefix": sys.base_prefix,
-        "virtualenv": sys.prefix != sys.base_prefix,
-        "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV"),
-        "platform": platform.platform(),
-        "sys_path": list(sys.path),
-    }
-
-
-def package_info(dist: str, module: str) -> dict[str, Any]:
-    """Version (from the distribution's metadata) and the path the module would import from.
-
-    ``find_spec`` locates the module without importing it (torch takes seconds); for a
-    module already imported it returns the loaded one.
-    """
-    try:
-        version = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):  # a parent package is missing
-        spec = None
-    location = None
-    if spec is not None:
-        # A package is named by its directory, a single-file module by its file.
-        location = spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin
-        # str(): an imported lazy package (transformers) lists a Path, which JSON refuses.
-        location = None if location is None else str(location)
-    return {"version": version, "location": location}
-
-
-def packages_info() -> dict[str, dict[str, Any]]:
-    """``package_info`` for every required and optional dependency."""
-    return {dist: package_info(dist, module) for dist, module in REQUIRED_PACKAGES + OPTIONAL_PACKAGES}
 
 
 def env_info() -> dict[str, str | None]:
@@ -137,7 +65,7 @@ def jax_info() -> dict[str, Any]:
         # JAX_PLATFORMS=cuda without a visible GPU ends in a bare AssertionError: say why.
         detail = str(e) or f"no platform started (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r})"
         return {"error": f"{type(e).__name__}: {detail}"}
-    from eagle_jax import cpu_matmul
+    from eagle_jax.kernels import cpu_matmul
     from eagle_jax.errors import ConfigError
 
     try:
@@ -157,79 +85,6 @@ def jax_info() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- source code
-
-
-def install_info() -> dict[str, Any]:
-    """eagle-jax's version, whether the install is editable, and its source directory.
-
-    ``source`` is where the installer says the code lives (the editable checkout, or the
-    installed copy); ``imported_from`` is where ``eagle_jax`` was actually imported from.
-    They differ when another copy shadows the install (a checkout on PYTHONPATH, a stale
-    build), which is the first thing to rule out when behaviour makes no sense.
-    ``metadata`` lists every copy of the distribution's metadata on sys.path: a build
-    leaves ``eagle_jax.egg-info`` in the checkout, which ``importlib.metadata`` finds
-    first when Python runs from there.
-    """
-    import eagle_jax
-
-    imported_from = str(Path(eagle_jax.__file__).resolve().parents[1])
-    dists = list(importlib.metadata.distributions(name=DISTRIBUTION))
-    # PathDistribution, the only kind on a filesystem, keeps its metadata directory in _path.
-    metadata = [
-        {"path": str(getattr(d, "_path", "?")), "version": d.version, "installer": (d.read_text("INSTALLER") or "").strip()}
-        for d in dists
-    ]
-    # The installed copy is the one an installer (pip, uv) wrote, not a build's leftover egg-info.
-    installed = next((d for d in dists if d.read_text("INSTALLER")), dists[0] if dists else None)
-    if installed is None:
-        return {"version": None, "editable": False, "source": None, "imported_from": imported_from, "metadata": metadata}
-    direct_url = json.loads(installed.read_text("direct_url.json") or "{}")
-    editable = bool(direct_url.get("dir_info", {}).get("editable", False))
-    url = direct_url.get("url", "")
-    if editable and url.startswith("file:"):
-        source = str(Path(unquote(urlparse(url).path)).resolve())
-    else:
-        source = str(Path(installed.locate_file("")).resolve())
-    return {
-        "version": installed.version,
-        "editable": editable,
-        "source": source,
-        "imported_from": imported_from,
-        "metadata": metadata,
-    }
-
-
-def git_info(root: str | Path) -> dict[str, Any]:
-    """Commit and dirty flag of the git checkout holding ``root``, or the reason there is none."""
-    if any(part in ("site-packages", "dist-packages") for part in Path(root).parts):
-        # An installed copy may sit inside some other repository (a venv in a checkout):
-        # that repository's commit would say nothing about this code.
-        return {"error": "installed copy, not a git checkout"}
-    # Without optional locks `git status` does not rewrite the index, so the doctor never
-    # writes to (or contends for a lock on) the repository it inspects.
-    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")
-
-    def git(*args: str) -> str:
-        r = subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S, env=env
-        )
-        if r.returncode:
-            raise RuntimeError(r.stderr.strip() or f"git {args[0]} exited with {r.returncode}")
-        return r.stdout
-
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        toplevel = git("rev-parse", "--show-toplevel").strip()
-        changed = [line for line in git("status", "--porcelain").splitlines() if line]
-    except FileNotFoundError:
-        return {"error": "git is not installed"}
-    except (subprocess.TimeoutExpired, RuntimeError) as e:
-        return {"error": str(e)}
-    # The changed paths (relative to the checkout; at most 20) say whether figures came
-    # from changed code or only from a checkout whose results/ files were being written.
-    paths = [line[3:] for line in changed]
-    return {"root": toplevel, "commit": commit, "dirty": bool(changed), "changed_files": len(changed),
-            "changed_paths": paths[:20]}
 
 
 def project_modules() -> list[dict[str, Any]]:
@@ -302,7 +157,7 @@ def expected_shapes(build: Callable[[], Any], names: dict[tuple, tuple[str, bool
     """
     from flax import nnx
 
-    from eagle_jax.target import checkpoint_shapes
+    from eagle_jax.models.target import checkpoint_shapes
 
     flat = dict(nnx.to_flat_state(nnx.state(nnx.eval_shape(build))))
     return checkpoint_shapes(names, {p: flat[p].shape for p in names})
@@ -368,8 +223,8 @@ def _tensor_files(check: dict[str, Any], path: Path) -> dict[str, Path] | None:
 
 def check_model(path: Path) -> tuple[dict[str, Any], Any]:
     """Check a target model directory; returns the check and its ModelConfig (None if unreadable)."""
-    from eagle_jax.config import read_config_json
-    from eagle_jax.target import family_for
+    from eagle_jax.models.config import read_config_json
+    from eagle_jax.models.registry import family_for
 
     check = _new_check("model", path)
     try:
@@ -408,7 +263,7 @@ def check_model(path: Path) -> tuple[dict[str, Any], Any]:
 
 def check_tokenizer(check: dict[str, Any], path: Path, vocab_size: int) -> None:
     """tokenizer.json and tokenizer_config.json present and loadable, within the model's vocabulary."""
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     missing = [name for name in TOKENIZER_FILES if not (path / name).is_file()]
     for name in missing:
@@ -433,7 +288,7 @@ def check_tokenizer(check: dict[str, Any], path: Path, vocab_size: int) -> None:
 def check_draft(path: Path, target_cfg: Any) -> tuple[dict[str, Any], Any]:
     """Check an EAGLE-3 draft directory; returns the check and its DraftConfig (None if unreadable)."""
     from eagle_jax.checkpoint.draft_io import D2T, T2D, describe_feature_layers, draft_name_map, read_draft_config
-    from eagle_jax.draft import Eagle3Draft
+    from eagle_jax.models.draft import Eagle3Draft
 
     check = _new_check("draft", path)
     try:
@@ -475,7 +330,7 @@ def check_compatibility(draft_cfg: Any, target_cfg: Any) -> dict[str, Any]:
     feature layers (the reason ``read_draft_config`` exists). Feature layers other than
     the target's defaults are noted, not failed; layers the target lacks fail.
     """
-    from eagle_jax.draft import check_compatible
+    from eagle_jax.models.draft import check_compatible
 
     check = _new_check("compatibility")
     defaults = tuple(target_cfg.feature_layer_ids)
@@ -673,10 +528,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def predict_shapes(report: dict[str, Any], args: argparse.Namespace, buckets_text: str) -> dict[str, Any]:
     """The auto policy's calibration on this machine: per batch bucket, every option's
     step time, expected accept length (the draft's model card) and predicted tokens/s."""
-    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.serving.engine import Engine, EngineConfig
     from eagle_jax.errors import InputError
-    from eagle_jax.policy import parse_shapes
-    from eagle_jax.spec_config import SpeculativeConfig
+    from eagle_jax.serving.policy import parse_shapes
+    from eagle_jax.spec.config import SpeculativeConfig
 
     if args.draft is None:
         raise InputError("--predict needs --draft DIR (the draft whose shapes to time)")

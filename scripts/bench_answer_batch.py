@@ -33,9 +33,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.engine import Engine, EngineConfig
-    from eagle_jax.prompts import read_prompt_file
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.serving.engine import Engine, EngineConfig
+    from eagle_jax.serving.prompts import read_prompt_file
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
     from eagle_jax.train.commands import _context_for
     from eagle_jax.train.data import answer_params
 

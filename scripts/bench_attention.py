@@ -36,8 +36,8 @@ from bench_policy import fingerprint  # noqa: E402
 
 from eagle_jax.checkpoint.hf import load_model  # noqa: E402
 from eagle_jax.defaults import default_model_dir  # noqa: E402
-from eagle_jax.runtime import StepTable  # noqa: E402
-from eagle_jax.sampling import SamplingParams  # noqa: E402
+from eagle_jax.runtime.step_table import StepTable  # noqa: E402
+from eagle_jax.spec.sampling import SamplingParams  # noqa: E402
 
 PATHS = ("xla", "kernel")
 
@@ -86,7 +86,7 @@ def main() -> int:
     draft = shape = None
     if args.verify:
         from eagle_jax.checkpoint.draft_io import random_draft
-        from eagle_jax.spec_config import SpeculativeConfig
+        from eagle_jax.spec.config import SpeculativeConfig
 
         draft = random_draft(model.config, seed=0, draft_vocab_size=4096)
         shape = SpeculativeConfig(num_steps=3, topk=1, num_draft_tokens=4)

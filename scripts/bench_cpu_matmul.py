@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import cpu_matmul
+from eagle_jax.kernels import cpu_matmul
 
 # q, k, v, o, gate, up, down of one SmolLM2-135M layer, [in, out]
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]

@@ -23,13 +23,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eagle_jax.bench import matvec_bandwidth, weight_bytes_per_step
+from eagle_jax.experiments.bench import matvec_bandwidth, weight_bytes_per_step
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
-from eagle_jax.generate import Buckets, Generator
-from eagle_jax.runtime import StepTable
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.generate import Buckets, Generator
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -25,10 +25,10 @@ from eagle_jax.checkpoint.draft_io import load_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_draft_dir, default_model_dir
 from eagle_jax.defaults import enable_compilation_cache as _enable_compilation_cache
-from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -28,11 +28,11 @@ import jax
 from eagle_jax.checkpoint.draft_io import load_draft, random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_draft_dir, default_model_dir
-from eagle_jax.evaluate import environment
-from eagle_jax.policy import parse_shapes
-from eagle_jax.runtime import StepTable
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.sharding import describe_mesh, make_mesh
+from eagle_jax.experiments.evaluate import environment
+from eagle_jax.serving.policy import parse_shapes
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.runtime.sharding import describe_mesh, make_mesh
 
 
 def main() -> int:

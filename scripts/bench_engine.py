@@ -33,10 +33,10 @@ import jax
 from eagle_jax.checkpoint.draft_io import load_draft, random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
-from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,9 +27,9 @@ import jax  # noqa: E402
 
 from eagle_jax.checkpoint.hf import load_model  # noqa: E402
 from eagle_jax.defaults import default_model_dir, pow2_at_least, prompt_buckets_for  # noqa: E402
-from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
-from eagle_jax.sampling import SamplingParams  # noqa: E402
-from eagle_jax.tokenizer import Tokenizer  # noqa: E402
+from eagle_jax.serving.engine import Engine, EngineConfig  # noqa: E402
+from eagle_jax.spec.sampling import SamplingParams  # noqa: E402
+from eagle_jax.checkpoint.tokenizer import Tokenizer  # noqa: E402
 from eagle_jax.train.synthetic_prompts import synthetic_prompts  # noqa: E402
 
 

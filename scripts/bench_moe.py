@@ -1,5 +1,5 @@
 """Which exact-MoE formulation is fastest here, by token count: ``gather``, ``blocked``,
-``dense``, ``ragged`` (eagle_jax.deepseek.experts_forward), float32 and INT4-packed experts.
+``dense``, ``ragged`` (eagle_jax.models.deepseek.experts_forward), float32 and INT4-packed experts.
 
 One compiled routed-expert product per (formulation, token count), the expert weights
 passed as arguments (not folded into the graph), timed interleaved (every variant once
@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.deepseek import experts_forward, moe_impl_for
-from eagle_jax.evaluate import environment
-from eagle_jax.quant import Int4Weight
+from eagle_jax.models.deepseek import experts_forward, moe_impl_for
+from eagle_jax.experiments.evaluate import environment
+from eagle_jax.models.quant import Int4Weight
 
 SHAPES = {
     # name: (experts, top-k, hidden, expert width)
@@ -41,7 +41,7 @@ IMPLS = ("gather", "blocked", "dense", "ragged")
 
 
 def _pack(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric INT4 packs of ``w`` [E, out, in] (layout: eagle_jax.quant)."""
+    """Symmetric INT4 packs of ``w`` [E, out, in] (layout: eagle_jax.models.quant)."""
     e, o, i = w.shape
     g = w.reshape(e, o, i // group, group)
     scale = np.maximum(np.abs(g).max(-1) / 7.0, 1e-8).astype(np.float32)

@@ -36,11 +36,11 @@ import jax
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.defaults import default_model_dir, enable_compilation_cache
-from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.policy import DEFAULT_AUTO_SHAPES, FixedPolicy, PlainPolicy, ThresholdPolicy, parse_shapes
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.spec_config import SpeculativeConfig, parse_shape
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.serving.policy import DEFAULT_AUTO_SHAPES, FixedPolicy, PlainPolicy, ThresholdPolicy, parse_shapes
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.config import SpeculativeConfig, parse_shape
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 from bench_engine import REPO, repo_path  # noqa: E402  (scripts/ is on the path when run as a script)
@@ -118,7 +118,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None, help="draft directory (default: a random draft)")
-    ap.add_argument("--shapes", default=None, help="auto's candidates (default: eagle_jax.policy.DEFAULT_AUTO_SHAPES)")
+    ap.add_argument("--shapes", default=None, help="auto's candidates (default: eagle_jax.serving.policy.DEFAULT_AUTO_SHAPES)")
     ap.add_argument("--threshold-shape", default="tree S=3 k=4 T=8", help="the threshold policy's shape")
     ap.add_argument("--threshold", type=int, default=1, help="the threshold policy's spec_disable_batch_threshold")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])

@@ -30,16 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import cpu_matmul
+from eagle_jax.kernels import cpu_matmul
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
-from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
-from eagle_jax.model import BoundModules
-from eagle_jax.runtime import StepTable
-from eagle_jax.sampling import SamplingArrays, SamplingParams
-from eagle_jax.spec_config import SpeculativeConfig
-from eagle_jax.speculative import (
+from eagle_jax.serving.generate import Buckets, Generator, SpeculativeGenerator
+from eagle_jax.models.llama import BoundModules
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingArrays, SamplingParams
+from eagle_jax.spec.config import SpeculativeConfig
+from eagle_jax.spec.steps import (
     SpecState,
     _draft_extend,
     accept_tree,
@@ -47,7 +47,7 @@ from eagle_jax.speculative import (
     draft_tree,
     verify_tree,
 )
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 
 CONFIGS = [
     SpeculativeConfig(num_steps=1),

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from eagle_jax.defaults import default_draft_dir, default_model_dir
 from eagle_jax.defaults import enable_compilation_cache as _enable_compilation_cache
-from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.policy import parse_shapes
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.spec_config import SpeculativeConfig
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.serving.policy import parse_shapes
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.config import SpeculativeConfig
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 
 QUESTIONS = [
     "Explain in two sentences why the sky is blue.",
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--shapes", default=None, help="auto's candidate shapes (default: eagle_jax.policy.DEFAULT_AUTO_SHAPES)")
+    ap.add_argument("--shapes", default=None, help="auto's candidate shapes (default: eagle_jax.serving.policy.DEFAULT_AUTO_SHAPES)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("eagle_jax").setLevel(logging.INFO)

@@ -28,9 +28,9 @@ import numpy as np
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
-from eagle_jax.policy import parse_shapes
-from eagle_jax.runtime import StepTable
-from eagle_jax.sampling import SamplingParams
+from eagle_jax.serving.policy import parse_shapes
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingParams
 
 PROMPT_LEN, CACHE_LEN = 64, 256
 

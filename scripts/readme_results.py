@@ -74,7 +74,7 @@ def temperature(recs: list[dict]) -> str:
 
 def batch(recs_by_name: dict[str, list[dict]]) -> str:
     rows = ["| batch | setting | tok/s | plain tok/s (same run) | speedup | ran (steps) |", "|---:|---|---:|---:|---:|---|"]
-    from eagle_jax.ablate import ran
+    from eagle_jax.experiments.ablate import ran
 
     for name, recs in recs_by_name.items():
         for r in recs:
@@ -128,7 +128,7 @@ and rerun them: [measuring.md](measuring.md).
 
 def document(root: Path) -> str:
     """docs/results.md: every committed table with its provenance."""
-    from eagle_jax.bench import markdown
+    from eagle_jax.experiments.bench import markdown
 
     out = [HEADER]
     abl = root / "ablations"
@@ -228,7 +228,7 @@ def batch_plot(recs_by_name: dict[str, list[dict]], path: Path) -> None:
     """The three batch sweeps in one plot (plain, each fixed shape, the threshold policy,
     auto): tokens/s against batch size, and the speedup over the plain run inside each
     point; drawn by ``eagle-jax ablate``'s own plotting."""
-    from eagle_jax.ablate import Sweep, save_plots
+    from eagle_jax.experiments.ablate import Sweep, save_plots
 
     recs = [r for rs in recs_by_name.values() for r in rs]
     sizes = sorted({r["point"]["batch_size"] for r in recs})

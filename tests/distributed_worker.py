@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from sharding_worker import CHAIN, ENGINE_BASE, MODES, decode, engine_inputs  # noqa: E402
 
-from eagle_jax.sharding import initialize_distributed  # noqa: E402
+from eagle_jax.runtime.sharding import initialize_distributed  # noqa: E402
 
 # (data, model) over the 4 devices of two processes: model=4 splits every matrix across
 # the processes; data=2 puts each process's devices on its own rows, so the tokens read
@@ -30,7 +30,7 @@ def main(out: Path) -> None:
     line = initialize_distributed()  # from the environment; None for the reference
     import jax
 
-    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.serving.engine import Engine, EngineConfig
     from eagle_jax.errors import ConfigError
 
     target, draft, prompts, params = engine_inputs()

@@ -133,7 +133,7 @@ def write_tiny_eval_models(root):
     import numpy as np
 
     from eagle_jax.checkpoint.draft_io import random_draft, save_draft
-    from eagle_jax.config import ModelConfig
+    from eagle_jax.models.config import ModelConfig
 
     hf = make_hf_model("llama3", seed=3)
     target = root / "target"

@@ -20,15 +20,15 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.checkpoint.draft_io import random_draft
-from eagle_jax.config import ModelConfig
-from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.models.config import ModelConfig
+from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import LlamaModel
-from eagle_jax.policy import FixedPolicy
-from eagle_jax.runtime import StepTable
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.sharding import make_mesh
-from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.models.llama import LlamaModel
+from eagle_jax.serving.policy import FixedPolicy
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.runtime.sharding import make_mesh
+from eagle_jax.spec.config import SpeculativeConfig
 
 MESHES = [(1, 1), (1, 8), (2, 4), (8, 1)]
 CHAIN = SpeculativeConfig(num_steps=3)
@@ -103,8 +103,8 @@ EXPERT_MESHES = [(1, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2)]
 def tiny_moe_target(int4: bool, seed=0):
     """A random DeepSeek-V3 target (MLA, one dense layer, 8 routed experts, top-2 of 2
     groups); with ``int4`` its experts are random INT4 packs."""
-    from eagle_jax.deepseek import DeepseekV3Config, DeepseekV3Model
-    from eagle_jax.quant import QuantConfig
+    from eagle_jax.models.deepseek import DeepseekV3Config, DeepseekV3Model
+    from eagle_jax.models.quant import QuantConfig
 
     cfg = DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                            num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24,
@@ -297,7 +297,7 @@ ATTENTION_CASES = [((2, 4), 8, 4), ((1, 8), 8, 4), ((1, 4), 8, 2), ((1, 4), 12, 
 
 
 def kernels() -> dict:
-    """The Pallas kernels under a mesh (eagle_jax.sharded_kernels) on CPU: tree attention
+    """The Pallas kernels under a mesh (eagle_jax.kernels.sharded) on CPU: tree attention
     split per device for each ``ATTENTION_CASES`` case beside the unsharded attention (max
     abs difference, and how the KV heads were split); and greedy tokens of the engine with
     ``kernel_impl="kernel"`` (the interpreted verify kernel inside the steps) per mesh."""
@@ -305,7 +305,7 @@ def kernels() -> dict:
     from pallas_kernels.tree import tree_ancestor_mask
     from pallas_kernels.tree_attention import tree_attention_reference
 
-    from eagle_jax.sharded_kernels import kv_slice, shard_tree_attention
+    from eagle_jax.kernels.sharded import kv_slice, shard_tree_attention
 
     out: dict = {"attention": {}, "runs": {}}
     b, t, d, s = 4, 6, 64, 128

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle_jax import ablate, cli
+from eagle_jax.experiments import ablate
+
+from eagle_jax import cli
 from eagle_jax.errors import ConfigError, InputError
 from hf_factories import write_tiny_eval_models
 

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from eagle_jax import bench, cli
+from eagle_jax.experiments import bench
+
+from eagle_jax import cli
 from hf_factories import write_tiny_eval_models
 
 

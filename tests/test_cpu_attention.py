@@ -1,4 +1,4 @@
-"""The prefix-attention CPU kernel (eagle_jax/cpu_attention.cc through the XLA FFI).
+"""The prefix-attention CPU kernel (eagle_jax/kernels/cpu_attention.cc through the XLA FFI).
 
 It must agree with XLA's blocked loop (``prefix_attention(impl="xla")``) on every mask
 the steps use, give a query the same bits whatever else shares the call (other queries,
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax import cpu_matmul
+from eagle_jax.kernels import cpu_matmul
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import PrefixMask, prefix_attention
+from eagle_jax.models.llama import PrefixMask, prefix_attention
 
 
 def _arrays(rng, b, t, kv, g, d, s):
@@ -105,8 +105,8 @@ def test_inference_binding_runs_the_kernel_and_only_it(monkeypatch, env):
     feature extraction: no gradient through the FFI call) and EAGLE_JAX_CPU_ATTENTION=xla
     keep XLA's loop."""
     from eagle_jax.checkpoint.draft_io import random_draft
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.model import BoundModules, KVCache, LlamaModel
+    from eagle_jax.models.config import ModelConfig
+    from eagle_jax.models.llama import BoundModules, KVCache, LlamaModel
 
     monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", env)
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""The packed-weight CPU matmul (eagle_jax/cpu_matmul.cc through the XLA FFI).
+"""The packed-weight CPU matmul (eagle_jax/kernels/cpu_matmul.cc through the XLA FFI).
 
 It must build here (the machine has a C++ compiler; a failed build is a test failure,
 not a skip), agree with XLA's dot, give each row the same bits whatever the other rows
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax import cpu_matmul
+from eagle_jax.kernels import cpu_matmul
 from eagle_jax.errors import ConfigError
 
 
@@ -122,8 +122,8 @@ def test_packed_model_matches_unpacked():
     """Every Linear kernel and both heads packed: the target's logits and the draft's
     are those of the unpacked modules."""
     from eagle_jax.checkpoint.draft_io import random_draft
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.model import BoundModules, KVCache, LlamaModel, causal_mask
+    from eagle_jax.models.config import ModelConfig
+    from eagle_jax.models.llama import BoundModules, KVCache, LlamaModel, causal_mask
 
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
@@ -174,7 +174,7 @@ def test_every_code_path_passes_the_kernel_tests(march, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
     want = {"haswell": "(AVX2, 16-column panels)", "x86-64": "(generic vectors, 16-column panels)"}[march]
-    code = "from eagle_jax import cpu_matmul; print(cpu_matmul.status('cpu')[1])"
+    code = "from eagle_jax.kernels import cpu_matmul; print(cpu_matmul.status('cpu')[1])"
     line = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300).stdout
     assert want in line, line
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle_jax.errors import ConfigError
-from eagle_jax.sharding import DISTRIBUTED_ENV, initialize_distributed
+from eagle_jax.runtime.sharding import DISTRIBUTED_ENV, initialize_distributed
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 

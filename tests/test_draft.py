@@ -25,10 +25,10 @@ from eagle_jax.checkpoint.draft_io import (
     save_draft,
     to_input_layer_ids,
 )
-from eagle_jax.config import ModelConfig
-from eagle_jax.draft import DraftConfig, Eagle3Draft, check_compatible
+from eagle_jax.models.config import ModelConfig
+from eagle_jax.models.draft import DraftConfig, Eagle3Draft, check_compatible
 from eagle_jax.errors import CheckpointError, ConfigError
-from eagle_jax.model import KVCache, LlamaModel, causal_mask
+from eagle_jax.models.llama import KVCache, LlamaModel, causal_mask
 
 TOL = 1e-4
 H, HEADS, KV, HD, INTER = 64, 4, 2, 16, 128

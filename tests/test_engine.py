@@ -13,14 +13,14 @@ from flax import nnx
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.config import ModelConfig
-from eagle_jax.engine import Engine, EngineConfig, EngineMetrics, NonFiniteError, compile_count
+from eagle_jax.models.config import ModelConfig
+from eagle_jax.serving.engine import Engine, EngineConfig, EngineMetrics, NonFiniteError, compile_count
 from eagle_jax.errors import CheckpointError, ConfigError, InputError
-from eagle_jax.generate import Buckets, Generator
-from eagle_jax.oracle import OracleHook
-from eagle_jax.runtime import CompileAfterBuildError
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
+from eagle_jax.serving.generate import Buckets, Generator
+from eagle_jax.spec.oracle import OracleHook
+from eagle_jax.runtime.step_table import CompileAfterBuildError
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
 from hf_factories import make_hf_model, write_word_tokenizer
 
 SPEC = SpeculativeConfig(num_steps=3)
@@ -163,7 +163,7 @@ def test_cancel_frees_the_slot_and_spares_the_others(engine, reference):
 
 
 def test_stream_yields_the_completion_text(model_dir, target, draft):
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     eng = Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=64, prompt_buckets=(64,), speculative=SPEC), tokenizer=tok, progress=False)
@@ -190,7 +190,7 @@ def test_detect_nan_names_request_and_step(tmp_path, draft):
 
 
 def test_failed_compile_raises_the_original_error_and_leaves_no_engine(monkeypatch, target, draft):
-    import eagle_jax.runtime as runtime_mod
+    import eagle_jax.runtime.step_table as runtime_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected compile failure")
@@ -207,7 +207,7 @@ def test_failed_compile_raises_the_original_error_and_leaves_no_engine(monkeypat
 
 
 def test_start_up_logs_what_is_on(target, draft, caplog):
-    with caplog.at_level(logging.INFO, logger="eagle_jax.engine"):
+    with caplog.at_level(logging.INFO, logger="eagle_jax.serving.engine"):
         Engine(target, draft, EngineConfig(max_batch=2, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC, spec_disable_batch_threshold=1), progress=False)
     [line] = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
     for part in ("chain S=3", "off above padded batch 1", "batch buckets (1, 2)", "prompt buckets (32,)", "dtype float32", "graphs compiled",
@@ -302,8 +302,8 @@ def test_speculation_without_draft_is_rejected(target):
 def test_default_config_decodes_plainly_without_a_draft(model_dir, target):
     """``EngineConfig()``'s policy is auto: without a draft that is plain decoding, from a
     directory as from a loaded target, greedy-equal to the Generator."""
-    from eagle_jax.engine import default_policy
-    from eagle_jax.policy import FixedPolicy, PlainPolicy
+    from eagle_jax.serving.engine import default_policy
+    from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
 
     eng = Engine(str(model_dir), None, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,)), progress=False)
     assert isinstance(eng.policy, PlainPolicy) and eng.config.spec_policy == "auto"
@@ -370,7 +370,7 @@ def test_prompt_errors(engine):
 
 def test_long_prompt_truncation_is_said(target, draft, caplog):
     eng = Engine(target, draft, EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(32,), speculative=SPEC, long_prompt="truncate"), progress=False)
-    with caplog.at_level(logging.WARNING, logger="eagle_jax.engine"):
+    with caplog.at_level(logging.WARNING, logger="eagle_jax.serving.engine"):
         [c] = eng.generate([list(range(3, 63))], [_greedy(8)])
     assert c.truncated_prompt and c.prompt_token_ids == list(range(39, 63))
     assert len(c.token_ids) == 8

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from eagle_jax import cli, evaluate
+from eagle_jax import cli
+
+from eagle_jax.experiments import evaluate
 from eagle_jax.errors import InputError
 from hf_factories import write_tiny_eval_models
 
@@ -130,7 +132,7 @@ def test_eval_draft_end_to_end(tiny, capsys):
 
 
 def test_a_speculative_output_that_differs_from_plain_is_a_hard_error(tiny, monkeypatch):
-    from eagle_jax.engine import Engine
+    from eagle_jax.serving.engine import Engine
 
     real = Engine.generate
 

@@ -18,9 +18,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
+from eagle_jax.serving.generate import Buckets, Generator, SpeculativeGenerator
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
 from hf_factories import make_hf_model
 from pallas_kernels import verify_greedy as verify_greedy_module
 

@@ -9,11 +9,11 @@ import pytest
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.engine import Engine, EngineConfig, compile_count
+from eagle_jax.serving.engine import Engine, EngineConfig, compile_count
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.policy import AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.spec_config import SpeculativeConfig, parse_shape
+from eagle_jax.serving.policy import AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 from hf_factories import make_hf_model
 
 CHAINS = tuple(SpeculativeConfig(num_steps=s) for s in range(1, 6))
@@ -240,7 +240,7 @@ def auto_engine(target, draft):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("eagle_jax.engine")
+    log = logging.getLogger("eagle_jax.serving.engine")
     log.addHandler(handler)
     old = log.level
     log.setLevel(logging.INFO)
@@ -318,7 +318,7 @@ def test_calibration_shares_the_budget_per_bucket(monkeypatch):
     not depend on how loaded the machine is."""
     import types
 
-    from eagle_jax import policy as policy_module
+    from eagle_jax.serving import policy as policy_module
 
     clock = [0.0]
     monkeypatch.setattr(policy_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))

@@ -3,7 +3,7 @@
 import pytest
 
 from eagle_jax.errors import InputError
-from eagle_jax.prompts import PromptRecord, chat_problem, check_unique_ids, read_prompt_file
+from eagle_jax.serving.prompts import PromptRecord, chat_problem, check_unique_ids, read_prompt_file
 
 
 def _write(tmp_path, text, mode="w"):

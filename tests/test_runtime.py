@@ -11,17 +11,18 @@ import pytest
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.config import ModelConfig
-from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.models.config import ModelConfig
+from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.generate import Buckets, Generator
-from eagle_jax.model import LlamaModel
-from eagle_jax.policy import FixedPolicy, PlainPolicy, ThresholdPolicy
-from eagle_jax.requests import RequestProgress
-from eagle_jax.runtime import StepTable
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.spec_config import SpeculativeConfig, parse_shape
-from eagle_jax.target import TargetModel, supported_architectures
+from eagle_jax.serving.generate import Buckets, Generator
+from eagle_jax.models.llama import LlamaModel
+from eagle_jax.serving.policy import FixedPolicy, PlainPolicy, ThresholdPolicy
+from eagle_jax.serving.requests import RequestProgress
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.config import SpeculativeConfig, parse_shape
+from eagle_jax.models.registry import supported_architectures
+from eagle_jax.models.target import TargetModel
 from hf_factories import make_hf_model
 
 SPEC = SpeculativeConfig(num_steps=3)
@@ -154,7 +155,7 @@ def test_switching_shapes_keeps_seeded_sampling_and_compiles_nothing(target, dra
     """Sampled requests under a policy that switches every step: each request's tokens
     equal plain decoding's with the same seeds (coupled verification draws with the
     uniforms plain decoding uses), and switching among every compiled step compiles nothing."""
-    from eagle_jax.engine import compile_count
+    from eagle_jax.serving.engine import compile_count
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3)]
@@ -216,9 +217,9 @@ def test_the_start_up_line_names_the_verify_attention_the_graph_runs(target, dra
     """On CPU (float32, packed weights) the line says the prefix goes to the CPU
     attention kernel exactly when the verify forward calls it (lowered on the table's own
     packed parameters): a tree whose T * G queries the kernel takes, and one too wide."""
-    from eagle_jax import cpu_matmul
-    from eagle_jax.model import BoundModules, KVCache
-    from eagle_jax.speculative import Tree, verify_tree
+    from eagle_jax.kernels import cpu_matmul
+    from eagle_jax.models.llama import BoundModules, KVCache
+    from eagle_jax.spec.steps import Tree, verify_tree
 
     wide = SpeculativeConfig(num_steps=4, topk=8, num_draft_tokens=cpu_matmul.ATTENTION_MAX_QUERIES)
     t = StepTable(target, draft, shapes=(TREE, wide), batch_buckets=(1,), prompt_buckets=(16,), max_seq_len=128,
@@ -309,7 +310,7 @@ class _ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
     def stream_decoder(self):
-        from eagle_jax.tokenizer import StreamDecoder
+        from eagle_jax.checkpoint.tokenizer import StreamDecoder
 
         return StreamDecoder(self)
 
@@ -334,7 +335,7 @@ def test_stream_gets_the_text_held_back_at_the_end():
 
 def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
     """Through the engine: Engine.stream yields the flushed tail too."""
-    import eagle_jax.requests as requests_mod
+    import eagle_jax.serving.requests as requests_mod
 
     eng = Engine(target, None, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=None),
                  tokenizer=_ByteTokenizer(), progress=False)
@@ -368,7 +369,7 @@ def test_prefix_attention_equals_dense_masked_attention(s_len, block):
     attention under the same mask written out as [B, T, S]: causal and tree blocks,
     ragged prefixes (0, mid-block, at a block edge, the whole cache) and a cache length
     that is no multiple of the block (the last block overlaps)."""
-    from eagle_jax.model import PrefixMask, masked_attention, prefix_attention
+    from eagle_jax.models.llama import PrefixMask, masked_attention, prefix_attention
     from pallas_kernels.tree import tree_ancestor_mask
 
     rng = np.random.default_rng(s_len + block)

@@ -2,7 +2,7 @@
 Hugging Face's ``TemperatureLogitsWarper`` / ``TopKLogitsWarper`` / ``TopPLogitsWarper``
 applied in the order ``generate`` applies them, and against hand-computed cases.
 
-Documented semantics (``eagle_jax.sampling.filter_logits``):
+Documented semantics (``eagle_jax.spec.sampling.filter_logits``):
 
 * temperature first, then top-k, then top-p over the top-k survivors (renormalised);
 * ``top_k == 0`` and ``top_p == 1`` mean "off" (``generate`` then adds no such warper);
@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle_jax.sampling import filter_logits, target_probs
+from eagle_jax.spec.sampling import filter_logits, target_probs
 
 
 def ours(logits, temperature, top_k, top_p) -> np.ndarray:

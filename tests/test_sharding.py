@@ -12,9 +12,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from eagle_jax.engine import EngineConfig
+from eagle_jax.serving.engine import EngineConfig
 from eagle_jax.errors import ConfigError
-from eagle_jax.sharding import make_mesh, parse_mesh
+from eagle_jax.runtime.sharding import make_mesh, parse_mesh
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 LAYERS = 4  # sharding_worker.tiny_target

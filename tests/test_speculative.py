@@ -10,12 +10,12 @@ from scipy import stats
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.config import ModelConfig
+from eagle_jax.models.config import ModelConfig
 from eagle_jax.errors import ConfigError
-from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
-from eagle_jax.model import causal_mask
-from eagle_jax.sampling import SamplingParams, target_probs
-from eagle_jax.speculative import SpeculativeConfig
+from eagle_jax.serving.generate import Buckets, Generator, SpeculativeGenerator
+from eagle_jax.models.llama import causal_mask
+from eagle_jax.spec.sampling import SamplingParams, target_probs
+from eagle_jax.spec.steps import SpeculativeConfig
 from hf_factories import make_hf_model
 
 BUCKETS = Buckets(batch=(1, 4, 8), prompt=(16,), cache=(160,))
@@ -179,7 +179,7 @@ def _exact_pair_probs(target, prompt, sp):
     n = len(prompt)
     seqs = np.array([prompt + [a, b] for a in range(v) for b in range(v)], np.int32)  # [v*v, n+2]
     pos = np.broadcast_to(np.arange(n + 2), seqs.shape)
-    from eagle_jax.target import init_from_spec
+    from eagle_jax.models.target import init_from_spec
 
     cache = init_from_spec(target.cache_spec(len(seqs), 32))
     import jax.numpy as jnp
@@ -247,7 +247,7 @@ def small_vocab_deepseek(tmp_path_factory):
     import transformers
     from flax import nnx
 
-    from eagle_jax.deepseek import MLAConfig
+    from eagle_jax.models.deepseek import MLAConfig
 
     cfg = transformers.DeepseekV3Config(
         vocab_size=SMALL_V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -321,8 +321,8 @@ def test_tree_attention_path_matches_dense_mask(target, draft, prompts):
     the kernel on GPUs) gives the dense-mask XLA path's logits, features and cache."""
     import jax.numpy as jnp
 
-    from eagle_jax.sampling import SamplingArrays
-    from eagle_jax.speculative import draft_tree, new_state, prefill_impl, verify_tree
+    from eagle_jax.spec.sampling import SamplingArrays
+    from eagle_jax.spec.steps import draft_tree, new_state, prefill_impl, verify_tree
 
     cfg = TREES[1]
     b = 3
@@ -345,7 +345,7 @@ def test_tree_attention_path_matches_dense_mask(target, draft, prompts):
 def test_speculative_generate_function_and_eos_mid_draft(target_dir, target, draft, prompts, reference):
     """The experiment-level function; the target's own EOS (not a stop id) ends a request
     in the middle of an accepted draft."""
-    from eagle_jax.generate import speculative_generate
+    from eagle_jax.serving.generate import speculative_generate
 
     eos = reference[2].token_ids[17]
     with_eos = load_model(target_dir, config=ModelConfig.from_dir(target_dir).replace(eos_token_ids=(eos,)))
@@ -365,7 +365,7 @@ def test_speculative_generate_function_and_eos_mid_draft(target_dir, target, dra
 @pytest.mark.parametrize("cfg", [CHAINS[2], TREES[0], TREES[1]], ids=_cfg_id)
 def test_smollm2_greedy_lossless(smollm2_dir, cfg):
     """The real model: random draft (almost nothing accepted) and the oracle with noise."""
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     tgt = load_model(smollm2_dir)
     tok = Tokenizer.from_dir(smollm2_dir)
@@ -386,11 +386,11 @@ def test_deferred_draft_sync_catches_up_to_what_eager_sync_leaves(target, draft,
     """Prefill and plain steps of a deferred state store the draft's inputs; the catch-up
     (small tiles here, so rows and positions take several rounds) leaves the draft cache,
     ``draft_hidden`` and the next speculative step what eager syncing leaves."""
-    from eagle_jax.sampling import SamplingArrays
-    from eagle_jax.speculative import (
+    from eagle_jax.spec.sampling import SamplingArrays
+    from eagle_jax.spec.steps import (
         DraftSync, catch_up_draft, plain_step_impl, prefill_impl, speculative_step_impl, state_spec,
     )
-    from eagle_jax.target import init_from_spec
+    from eagle_jax.models.target import init_from_spec
 
     cfg, max_len, p = SpeculativeConfig(num_steps=3), 48, 16
     rows = [prompts[i] for i in (1, 2, 4)]  # 13, 2 and 16 tokens: rows differ in what is pending
@@ -437,11 +437,11 @@ def test_plain_step_through_the_tree_attention_kernel_matches_the_prefix_path():
     must give what the PrefixMask path gives: the same tokens, the same KV written."""
     from flax import nnx
 
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.model import LlamaModel
-    from eagle_jax.sampling import SamplingArrays
-    from eagle_jax.speculative import plain_step_impl, prefill_impl, state_spec
-    from eagle_jax.target import init_from_spec
+    from eagle_jax.models.config import ModelConfig
+    from eagle_jax.models.llama import LlamaModel
+    from eagle_jax.spec.sampling import SamplingArrays
+    from eagle_jax.spec.steps import plain_step_impl, prefill_impl, state_spec
+    from eagle_jax.models.target import init_from_spec
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)

@@ -1,4 +1,4 @@
-"""eagle_jax.tokenizer: parity with transformers (encode, decode, chat templates) on the
+"""eagle_jax.checkpoint.tokenizer: parity with transformers (encode, decode, chat templates) on the
 real SmolLM2 tokenizer and on a tiny one built here; the streaming detokenizer; the eos
 rule; and message validation."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle_jax.errors import CheckpointError, InputError
-from eagle_jax.tokenizer import StreamDecoder, Tokenizer
+from eagle_jax.checkpoint.tokenizer import StreamDecoder, Tokenizer
 
 # ----------------------------------------------------------------------------------------
 # A tiny byte-level tokenizer directory (no model needed)

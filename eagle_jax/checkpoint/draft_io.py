@@ -51,10 +51,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from eagle_jax.checkpoint.hf import NameMap, read_tensors, resolve_dtype, safetensors_files
-from eagle_jax.config import ModelConfig, default_feature_layers, read_config_json
-from eagle_jax.draft import DraftConfig, Eagle3Draft, check_compatible
+from eagle_jax.models.config import ModelConfig, default_feature_layers, read_config_json
+from eagle_jax.models.draft import DraftConfig, Eagle3Draft, check_compatible
 from eagle_jax.errors import CheckpointError, ConfigError
-from eagle_jax.model import LlamaModel
+from eagle_jax.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def draft_config_from_hf(
 
 
 def _mla_draft_config(d, target_cfg, convention, has_embed_tokens, source) -> DraftConfig:
-    from eagle_jax.deepseek import MLAConfig
+    from eagle_jax.models.deepseek import MLAConfig
 
     for field in ("fc_norm", "norm_output"):  # vLLM variants not implemented here
         if d.get(field):

@@ -3,7 +3,7 @@
 ``import_gguf(path, out_dir)`` writes what ``transformers`` (and ``eagle_jax.checkpoint``)
 expect to find in a model directory:
 
-- ``config.json`` built with :class:`eagle_jax.config.ModelConfig` from the GGUF metadata;
+- ``config.json`` built with :class:`eagle_jax.models.config.ModelConfig` from the GGUF metadata;
 - ``model.safetensors``: every weight dequantized to float32 under its Hugging Face name,
   with llama.cpp's rotary row permutation of ``q_proj``/``k_proj`` undone;
 - ``tokenizer.json`` and ``tokenizer_config.json``: the byte-level BPE tokenizer stored in
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle_jax.config import ModelConfig, RopeScaling
+from eagle_jax.models.config import ModelConfig, RopeScaling
 from eagle_jax.errors import CheckpointError, ConfigError
 
 # GGUF ``general.architecture`` -> Hugging Face architecture class name.

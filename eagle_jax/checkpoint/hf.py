@@ -1,5 +1,5 @@
 """Load a Hugging Face model directory (config.json + safetensors) into the target
-implementation its ``architectures`` names (``eagle_jax.target`` registry).
+implementation its ``architectures`` names (``eagle_jax.models.target`` registry).
 
 Weights are read with ``safetensors`` only (never pickle). Each NNX parameter has one
 Hugging Face tensor name and a flag saying whether the PyTorch ``[out, in]`` layout must
@@ -19,10 +19,11 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from eagle_jax.config import ModelConfig, read_config_json
+from eagle_jax.models.config import ModelConfig, read_config_json
 from eagle_jax.errors import CheckpointError
-from eagle_jax.model import NameMap, param_name_map  # noqa: F401  (re-exported: doctor and tests use them from here)
-from eagle_jax.target import TargetModel, checkpoint_shapes, family_for
+from eagle_jax.models.llama import NameMap, param_name_map  # noqa: F401  (re-exported: doctor and tests use them from here)
+from eagle_jax.models.registry import family_for
+from eagle_jax.models.target import TargetModel, checkpoint_shapes
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,8 @@ def _load_sliced(abstract, graphdef, flat, names, wanted, shape_records, files, 
 
     from jax.sharding import NamedSharding
 
-    from eagle_jax.sharding import model_axis_rules
-    from eagle_jax.target import partition_spec
+    from eagle_jax.runtime.sharding import model_axis_rules
+    from eagle_jax.models.target import partition_spec
 
     rules = model_axis_rules(abstract.axis_sizes(), mesh, what="target")
     check_shapes(files, wanted)

@@ -213,7 +213,7 @@ class _Split:
 def _encode_records(records, path: Path, tok, budget: int, start: int = 0) -> tuple[list, dict, list]:
     """(requests, skipped counts, record indexes of the requests); ``records`` begin at
     record ``start`` of ``path``."""
-    from eagle_jax.prompts import chat_problem
+    from eagle_jax.serving.prompts import chat_problem
 
     requests, skipped, indexes = [], {}, []
     for k, r in enumerate(records, start):
@@ -239,7 +239,7 @@ def _encode_records(records, path: Path, tok, budget: int, start: int = 0) -> tu
 def _prompts(args, tok, budget: int) -> dict[str, _Split]:
     """The train and eval prompts, encoded; prompts over ``budget`` tokens and records
     that cannot be answered are skipped and counted (see DRAFT_DATA_DESCRIPTION)."""
-    from eagle_jax.prompts import check_unique_ids, prompt_file_sha256, read_prompt_file
+    from eagle_jax.serving.prompts import check_unique_ids, prompt_file_sha256, read_prompt_file
     from eagle_jax.train.data import id_key
     from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
@@ -457,7 +457,7 @@ def cmd_draft_data(args) -> int:
     import threading
 
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
     from eagle_jax.train.data import ConversationWriter, id_key, read_answered, write_conversations, write_features
 
     if not 0 <= args.sampled_fraction <= 1:
@@ -620,7 +620,7 @@ def _answer(args, target, tok, writers: dict, todo: dict, *, total: int, done: i
     writer (``.add(conv)``: a ``ConversationWriter`` or an answer store's) as it finishes;
     one engine per context group (``_context_for``), shortest first. The caller closes
     the writers."""
-    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.serving.engine import Engine, EngineConfig
     from eagle_jax.train.data import id_key, regenerate
 
     if not any(todo.values()):

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.errors import EagleJaxError, InputError
-from eagle_jax.model import BoundModules, LlamaModel, causal_mask
-from eagle_jax.target import init_from_spec
-from eagle_jax.sampling import SamplingParams
+from eagle_jax.models.llama import BoundModules, LlamaModel, causal_mask
+from eagle_jax.models.target import init_from_spec
+from eagle_jax.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from eagle_jax.draft import DraftConfig, Eagle3Draft
+from eagle_jax.models.draft import DraftConfig, Eagle3Draft
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import KVCache, LlamaModel, StepDiagonalMask
+from eagle_jax.models.llama import KVCache, LlamaModel, StepDiagonalMask
 from eagle_jax.train.data import FeatureSet
 
 log = logging.getLogger(__name__)

@@ -127,7 +127,7 @@ def median_ms(fn, reps: int, warm: int = 1) -> float:
 
 
 def spec_shapes():
-    from eagle_jax.spec_config import SpeculativeConfig
+    from eagle_jax.spec.config import SpeculativeConfig
 
     return {
         "chain S=1": SpeculativeConfig(num_steps=1),
@@ -215,7 +215,7 @@ def section_env(rec: Record, out: Path) -> None:
     rec.attempt("bf16_matmul", matmul_rate)
 
     def plan():
-        from eagle_jax.deepseek import moe_impl_for
+        from eagle_jax.models.deepseek import moe_impl_for
         from pallas_kernels.tree_attention import select_tree_attention_path
 
         backend = jax.default_backend()
@@ -421,8 +421,8 @@ def _target_and_draft(dtype, dry: bool, layers: int = 0):
     from flax import nnx
 
     from eagle_jax.checkpoint.draft_io import load_draft, random_draft, read_draft_config
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.model import LlamaModel
+    from eagle_jax.models.config import ModelConfig
+    from eagle_jax.models.llama import LlamaModel
 
     if dry:
         cfg = ModelConfig(**TINY_LLAMA)
@@ -444,10 +444,10 @@ def section_lossless(rec: Record, out: Path) -> None:
     import jax
     import numpy as np
 
-    from eagle_jax.engine import Engine, EngineConfig
-    from eagle_jax.oracle import OracleHook
-    from eagle_jax.policy import FixedPolicy, PlainPolicy
-    from eagle_jax.sampling import SamplingParams
+    from eagle_jax.serving.engine import Engine, EngineConfig
+    from eagle_jax.spec.oracle import OracleHook
+    from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
+    from eagle_jax.spec.sampling import SamplingParams
 
     shapes = spec_shapes()
     chain, tree = shapes["chain S=3"], shapes["tree 3/4/8"]
@@ -552,7 +552,7 @@ def time_table(rec: Record, table, b: int, options: dict, context: int, *, prefi
     import jax
     import numpy as np
 
-    from eagle_jax.sampling import SamplingParams
+    from eagle_jax.spec.sampling import SamplingParams
 
     ms = {}
     table.compile_graph(("zeros", b))
@@ -589,7 +589,7 @@ def auto_choices(options: dict, per_batch: dict, lengths=(2, 3, 4)) -> dict:
     """What ``AutoPolicy`` picks from measured step times when the draft accepts each
     depth with rate ``p = 1 - 1/L`` (an unbounded chain would accept ``L`` on average);
     trees get the chains' rates (auto's own prior for a tree), which undersells them."""
-    from eagle_jax.policy import AutoPolicy, Calibration
+    from eagle_jax.serving.policy import AutoPolicy, Calibration
 
     shapes = {n: s for n, s in options.items() if s is not None}
     out = {}
@@ -621,9 +621,9 @@ def section_llama8b(rec: Record, out: Path) -> None:
     from flax import nnx
 
     from eagle_jax.checkpoint.draft_io import random_draft
-    from eagle_jax.config import ModelConfig
-    from eagle_jax.model import LlamaModel
-    from eagle_jax.runtime import StepTable
+    from eagle_jax.models.config import ModelConfig
+    from eagle_jax.models.llama import LlamaModel
+    from eagle_jax.runtime.step_table import StepTable
 
     if rec.dry:
         cfg, batches, context, reps, dv = ModelConfig(**TINY_LLAMA), (1, 2), 64, 2, 128
@@ -717,9 +717,9 @@ def section_deepseek(rec: Record, out: Path) -> None:
     from flax import nnx
 
     from eagle_jax.checkpoint.draft_io import random_draft
-    from eagle_jax.deepseek import MLAConfig, DeepseekV3Config, DeepseekV3Model, mla_form, moe_impl_for
-    from eagle_jax.quant import QuantConfig
-    from eagle_jax.runtime import StepTable
+    from eagle_jax.models.deepseek import MLAConfig, DeepseekV3Config, DeepseekV3Model, mla_form, moe_impl_for
+    from eagle_jax.models.quant import QuantConfig
+    from eagle_jax.runtime.step_table import StepTable
 
     if rec.dry:
         dims = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_attention_heads=4,
@@ -978,7 +978,7 @@ def run_section(name: str, out: Path, limit_s: float, dry: bool, cases=(), opts=
     # The engine's start-up lines and the step table's per-graph compile times go to the
     # log: a section cut off while building says how far it got.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.getLogger("eagle_jax.runtime").setLevel(logging.DEBUG)
+    logging.getLogger("eagle_jax.runtime.step_table").setLevel(logging.DEBUG)
     rec = Record(out, name, limit_s, dry, tuple(cases))
     rec.opts = dict(opts or {})
     try:

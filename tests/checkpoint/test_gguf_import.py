@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from eagle_jax.checkpoint import import_gguf
 from eagle_jax.checkpoint.gguf_import import supported_tensor_types
-from eagle_jax.config import ModelConfig
+from eagle_jax.models.config import ModelConfig
 from eagle_jax.errors import CheckpointError
 
 # ----------------------------------------------------------------------------------------

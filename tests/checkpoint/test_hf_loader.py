@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.config import ModelConfig
+from eagle_jax.models.config import ModelConfig
 from eagle_jax.errors import CheckpointError, ConfigError
 from hf_factories import make_hf_model
 

@@ -18,10 +18,10 @@ from eagle_jax.checkpoint.draft_io import (
     read_draft_config,
     save_draft,
 )
-from eagle_jax.config import ModelConfig
-from eagle_jax.draft import DraftConfig, Eagle3Draft
+from eagle_jax.models.config import ModelConfig
+from eagle_jax.models.draft import DraftConfig, Eagle3Draft
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import KVCache, LlamaModel, causal_mask, rope_cos_sin, rope_inv_freq
+from eagle_jax.models.llama import KVCache, LlamaModel, causal_mask, rope_cos_sin, rope_inv_freq
 
 N = 8
 TARGET_CFG = ModelConfig(

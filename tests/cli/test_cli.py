@@ -10,7 +10,7 @@ import pytest
 
 from eagle_jax.cli import build_parser
 from eagle_jax.errors import InputError
-from eagle_jax.spec_config import SpeculativeConfig
+from eagle_jax.spec.config import SpeculativeConfig
 
 
 def run(*args, timeout=300):
@@ -98,7 +98,7 @@ def test_generate_streams_to_terminal(smollm2_dir):
 def test_generate_speculative_equals_plain(tmp_path, smollm2_dir):
     """--draft with a tree (cutoff above the batch): output equals --no-speculation's."""
     from eagle_jax.checkpoint.draft_io import random_draft, save_draft
-    from eagle_jax.config import ModelConfig
+    from eagle_jax.models.config import ModelConfig
 
     draft = tmp_path / "draft"
     save_draft(random_draft(ModelConfig.from_dir(smollm2_dir), seed=0, draft_vocab_size=4096), draft)
@@ -120,7 +120,7 @@ def test_generate_speculative_equals_plain(tmp_path, smollm2_dir):
 def test_doctor_runs(smollm2_dir):
     r = run("doctor", "--model", smollm2_dir)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "eagle_jax.engine" in r.stdout
+    assert "eagle_jax.serving.engine" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_spec_policy_flags(argv, want):
 
 
 def _described(policy):
-    from eagle_jax.policy import policy_shapes
+    from eagle_jax.serving.policy import policy_shapes
 
     return type(policy).__name__, policy.describe(), tuple(policy_shapes(policy)), policy.runs_plain
 
@@ -171,8 +171,8 @@ def test_cli_and_api_build_the_same_policy(argv, api):
     """The generate flags and the same settings given to ``EngineConfig`` (its defaults
     for the flags not given) build the same policy and shapes, with a draft and without."""
     from eagle_jax.cli import engine_config
-    from eagle_jax.engine import EngineConfig, default_policy
-    from eagle_jax.policy import parse_shape
+    from eagle_jax.serving.engine import EngineConfig, default_policy
+    from eagle_jax.serving.policy import parse_shape
 
     args = build_parser().parse_args(["generate", "--prompt", "x", *argv])
     if "spec_shapes" in api:

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from eagle_jax import doctor
 from eagle_jax.checkpoint.draft_io import describe_feature_layers, random_draft, save_draft
-from eagle_jax.config import ModelConfig
+from eagle_jax.models.config import ModelConfig
 from eagle_jax.errors import InputError
 from hf_factories import make_hf_model
 

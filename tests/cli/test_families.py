@@ -21,7 +21,7 @@ import torch
 
 from eagle_jax import cli
 from eagle_jax.checkpoint.draft_io import random_draft, save_draft
-from eagle_jax.target import read_target_config, supported_architectures
+from eagle_jax.models.registry import read_target_config, supported_architectures
 from hf_factories import FAMILIES, write_family_checkpoint
 
 # One checkpoint per target implementation (see the module doc), or every family.

@@ -12,14 +12,14 @@ import torch
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.config import read_config_json
-from eagle_jax.deepseek import DeepseekV3Config, DeepseekV3Model, experts_forward, mla_form, route
+from eagle_jax.models.config import read_config_json
+from eagle_jax.models.deepseek import DeepseekV3Config, DeepseekV3Model, experts_forward, mla_form, route
 from eagle_jax.errors import ConfigError
-from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
-from eagle_jax.model import PrefixMask, causal_mask
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
-from eagle_jax.target import init_from_spec
+from eagle_jax.serving.generate import Buckets, Generator, SpeculativeGenerator
+from eagle_jax.models.llama import PrefixMask, causal_mask
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
+from eagle_jax.models.target import init_from_spec
 from hf_factories import DEEPSEEK, make_deepseek_model
 
 TOL = 1e-4
@@ -214,7 +214,7 @@ def test_yarn_softmax_scale_and_frequencies_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
-    from eagle_jax.deepseek import yarn_inv_freq
+    from eagle_jax.models.deepseek import yarn_inv_freq
     from hf_factories import DS_TINY
 
     for rope in ({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
@@ -232,7 +232,7 @@ def test_yarn_softmax_scale_and_frequencies_match_transformers():
 
 def _kimi_mla(target_cfg):
     """A draft MLA layer shaped unlike the target's (other ranks, no q_lora, YaRN)."""
-    from eagle_jax.deepseek import MLAConfig, YarnRope
+    from eagle_jax.models.deepseek import MLAConfig, YarnRope
 
     return MLAConfig(hidden_size=target_cfg.hidden_size, num_attention_heads=2, kv_lora_rank=12, q_lora_rank=None,
                      qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10, rope_theta=50000.0,

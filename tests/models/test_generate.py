@@ -6,8 +6,8 @@ import torch
 
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.errors import InputError
-from eagle_jax.generate import Buckets, Generator
-from eagle_jax.sampling import SamplingParams
+from eagle_jax.serving.generate import Buckets, Generator
+from eagle_jax.spec.sampling import SamplingParams
 from hf_factories import make_hf_model
 
 SMALL = Buckets(batch=(1, 4), prompt=(8, 16, 32), cache=(64, 128))
@@ -107,7 +107,7 @@ def test_invalid_sampling_values(kwargs, field):
 
 
 def test_stop_strings_cut_the_text(tmp_path):
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
     from hf_factories import write_word_tokenizer
 
     hf = make_hf_model("llama3", seed=11)
@@ -133,7 +133,7 @@ def test_forward_shapes_are_checked_by_beartype(hf_checkpoint):
     from beartype import beartype
     from jaxtyping import TypeCheckError, jaxtyped
 
-    from eagle_jax.model import KVCache, causal_mask
+    from eagle_jax.models.llama import KVCache, causal_mask
 
     _, _, path = hf_checkpoint
     model = load_model(path)

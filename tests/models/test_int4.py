@@ -17,14 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.deepseek import DeepseekV3Config, DeepseekV3Model
+from eagle_jax.models.deepseek import DeepseekV3Config, DeepseekV3Model
 from eagle_jax.errors import CheckpointError, ConfigError
-from eagle_jax.generate import Buckets, Generator, SpeculativeGenerator
-from eagle_jax.model import causal_mask
-from eagle_jax.quant import Int4Weight, QuantConfig, dequantize, unpack_int4
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
-from eagle_jax.target import init_from_spec
+from eagle_jax.serving.generate import Buckets, Generator, SpeculativeGenerator
+from eagle_jax.models.llama import causal_mask
+from eagle_jax.models.quant import Int4Weight, QuantConfig, dequantize, unpack_int4
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
+from eagle_jax.models.target import init_from_spec
 from hf_factories import make_deepseek_model, write_word_tokenizer
 
 # A test dependency (pyproject's [test] extra): missing, these tests fail at import, not skip.
@@ -206,7 +206,7 @@ def test_doctor_checks_an_int4_deepseek_directory_and_a_kimi_draft(int4, tmp_pat
 
     from eagle_jax import doctor
     from eagle_jax.checkpoint.draft_io import save_draft
-    from eagle_jax.deepseek import MLAConfig
+    from eagle_jax.models.deepseek import MLAConfig
 
     args, path, _, _ = int4
     model_dir = tmp_path / "model"

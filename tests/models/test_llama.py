@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.model import KVCache, causal_mask
+from eagle_jax.models.llama import KVCache, causal_mask
 
 TOL = 1e-4
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle_jax.config import ModelConfig
+from eagle_jax.models.config import ModelConfig
 from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import SpeculativeConfig
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 DRAFT = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle3"

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.generate import Buckets, Generator
-from eagle_jax.model import KVCache, causal_mask
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.tokenizer import Tokenizer
+from eagle_jax.serving.generate import Buckets, Generator
+from eagle_jax.models.llama import KVCache, causal_mask
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.checkpoint.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_jax.prompts import prompt_file_sha256, read_prompt_file
+from eagle_jax.serving.prompts import prompt_file_sha256, read_prompt_file
 from eagle_jax.train.data import AnswerStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -399,7 +399,7 @@ def test_answer_shards_round_trip(tiny_dir, gz_prompts, prompt_files, reference,
     every answer without generating one, and the same data as a run that never stored."""
     import shutil
 
-    from eagle_jax.prompts import prompt_file_sha256
+    from eagle_jax.serving.prompts import prompt_file_sha256
 
     train_store = answer_store / "train"
     m = json.loads((train_store / "manifest.json").read_text())

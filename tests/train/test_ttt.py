@@ -13,10 +13,10 @@ import torch
 from eagle_jax.checkpoint.draft_io import load_draft, random_draft, save_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.generate import Buckets, Generator
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.generate import speculative_generate
-from eagle_jax.speculative import SpecState, SpeculativeConfig, _draft_extend, draft_tree, new_state
+from eagle_jax.serving.generate import Buckets, Generator
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.serving.generate import speculative_generate
+from eagle_jax.spec.steps import SpecState, SpeculativeConfig, _draft_extend, draft_tree, new_state
 from eagle_jax.train.data import Conversation, FeatureSet, extract_features, read_conversations, write_conversations
 from eagle_jax.train.ttt import (
     TrainConfig,
@@ -28,7 +28,7 @@ from eagle_jax.train.ttt import (
     ttt_mask,
     vocab_coverage,
 )
-from eagle_jax.model import StepDiagonalMask, masked_attention, step_diagonal_attention
+from eagle_jax.models.llama import StepDiagonalMask, masked_attention, step_diagonal_attention
 from hf_factories import make_hf_model
 
 

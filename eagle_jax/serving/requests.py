@@ -8,7 +8,7 @@ import time
 from typing import Sequence
 
 from eagle_jax.errors import InputError
-from eagle_jax.sampling import SamplingParams
+from eagle_jax.spec.sampling import SamplingParams
 
 
 class RequestProgress:

@@ -92,7 +92,7 @@ class System:
 
 def systems_for(args: argparse.Namespace, batch_size: int, with_transformers: bool) -> list[System]:
     """The systems of one batch size, each resolved (and checked) as an ablation point."""
-    from eagle_jax import ablate
+    from eagle_jax.experiments import ablate
 
     base = dict(batch_size=batch_size, suite=args.suite, max_prompts=args.max_prompts,
                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, temperature=0.0)
@@ -159,12 +159,12 @@ class TransformersRunner:
 
 def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Every batch size's systems, interleaved; returns the report (also written to --out)."""
-    from eagle_jax import ablate
+    from eagle_jax.experiments import ablate
     from eagle_jax.defaults import default_model_dir
-    from eagle_jax.evaluate import acceptance, context_sizes, environment
-    from eagle_jax.policy import policy_shapes
-    from eagle_jax.sampling import SamplingParams
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.experiments.evaluate import acceptance, context_sizes, environment
+    from eagle_jax.serving.policy import policy_shapes
+    from eagle_jax.spec.sampling import SamplingParams
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     with_hf = _transformers_wanted(args.transformers)
     model_dir = args.model or str(default_model_dir())

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from eagle_jax.config import ModelConfig, RopeScaling
-from eagle_jax.cpu_matmul import matmul
+from eagle_jax.models.config import ModelConfig, RopeScaling
+from eagle_jax.kernels.cpu_matmul import matmul
 from eagle_jax.errors import ConfigError
-from eagle_jax.model import MLP, Attention, KVCache, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
+from eagle_jax.models.llama import MLP, Attention, KVCache, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 
 # The reference draft vocabulary (EAGLE-3 paper, SpecForge, released Llama 3 drafts).
 DEFAULT_DRAFT_VOCAB = 32000
@@ -248,7 +248,7 @@ class Eagle3MidLayer(nnx.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         if cfg.mla is not None:
-            from eagle_jax.deepseek import MLAttention
+            from eagle_jax.models.deepseek import MLAttention
 
             self.self_attn = MLAttention(cfg.mla, dtype=dtype, rngs=rngs, d_in=2 * h)
         else:
@@ -328,7 +328,7 @@ class Eagle3Draft(nnx.Module):
         cfg = self.config
         emb = jnp.take(self.embed_tokens[...], tokens, axis=0)
         if cfg.mla is not None:
-            from eagle_jax.deepseek import MLACache, rope_tables
+            from eagle_jax.models.deepseek import MLACache, rope_tables
 
             cos, sin = rope_tables(positions, cfg.mla)
             h, lat, pe = self.midlayer(emb, hidden, cos, sin, cache.latent[0], cache.rope_key[0], cache_slots, mask)
@@ -341,7 +341,7 @@ class Eagle3Draft(nnx.Module):
     def cache_spec(self, batch: int, max_len: int, dtype) -> Any:
         """The abstract one-layer draft cache: KV for a Llama layer, the latent for MLA."""
         if self.config.mla is not None:
-            from eagle_jax.deepseek import MLACache
+            from eagle_jax.models.deepseek import MLACache
 
             return MLACache.spec(self.config.mla, batch, max_len, dtype, layers=1)
         return KVCache.spec(self.config.layer_config, batch, max_len, dtype)

@@ -27,12 +27,12 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from eagle_jax.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from eagle_jax.cpu_matmul import matmul, pack_params, packed_matmul
-from eagle_jax.cpu_matmul import prefix_attention_state as cpu_prefix_attention_state
-from eagle_jax.cpu_matmul import prefix_attention_supported as cpu_prefix_attention_supported
-from eagle_jax.target import ArraySpec, TargetFamily, register_target
-from eagle_jax.sharded_kernels import shard_tree_attention
+from eagle_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from eagle_jax.kernels.cpu_matmul import matmul, pack_params, packed_matmul
+from eagle_jax.kernels.cpu_matmul import prefix_attention_state as cpu_prefix_attention_state
+from eagle_jax.kernels.cpu_matmul import prefix_attention_supported as cpu_prefix_attention_supported
+from eagle_jax.models.target import ArraySpec, TargetFamily, register_target
+from eagle_jax.kernels.sharded import shard_tree_attention
 
 # ----------------------------------------------------------------------------- KV cache
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from eagle_jax.sampling import SamplingArrays, position_keys
-from eagle_jax.speculative import SpecState, Tree
+from eagle_jax.spec.sampling import SamplingArrays, position_keys
+from eagle_jax.spec.steps import SpecState, Tree
 from pallas_kernels.tree import tree_links
 
 

@@ -27,7 +27,7 @@ Slots: the live batch is a ``SpecState`` whose rows are slots. A bucket change (
 requests than rows, or few enough to fit a smaller bucket for a while) gathers the live
 rows into a state of the new size; within a bucket, requests join and leave in place.
 
-The policy (``eagle_jax.policy``): by default a ``ThresholdPolicy`` built from
+The policy (``eagle_jax.serving.policy``): by default a ``ThresholdPolicy`` built from
 ``speculative``, ``spec_disable_batch_threshold`` and ``spec_hysteresis_steps`` (the
 batch-size cutoff with hysteresis); while a plain step runs the draft still extends over
 every new token, so switching back loses no acceptance.
@@ -53,19 +53,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.draft import Eagle3Draft, check_compatible
+from eagle_jax.models.draft import Eagle3Draft, check_compatible
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.policy import (
+from eagle_jax.serving.policy import (
     DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
     policy_shapes,
 )
-from eagle_jax.requests import RequestProgress, check_prompt
-from eagle_jax.runtime import DRAFT_SHARDINGS, StepTable
-from eagle_jax.spec_config import DRAFT_SYNC_MODES
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
-from eagle_jax.spec_config import SpeculativeConfig, default_shape
-from eagle_jax.target import TargetModel
+from eagle_jax.serving.requests import RequestProgress, check_prompt
+from eagle_jax.runtime.step_table import DRAFT_SHARDINGS, StepTable
+from eagle_jax.spec.config import DRAFT_SYNC_MODES
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.runtime.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
+from eagle_jax.spec.config import SpeculativeConfig, default_shape
+from eagle_jax.models.target import TargetModel
 
 # EngineConfig.spec_policy's values (the command line's --spec-policy, plus plain).
 SPEC_POLICIES = ("auto", "fixed", "threshold", "plain")
@@ -171,8 +171,8 @@ class EngineConfig:
         splits the target's heads, MLP width and vocabulary (tensor parallelism; KV heads
         that do not divide it are replicated), ``data`` the batch rows of one engine: a
         batch bucket that is a multiple of ``data`` is split over it, others run
-        replicated (see ``eagle_jax.sharding``). Under more than one device the Pallas
-        kernels run under shard_map (``eagle_jax.sharded_kernels``) and the CPU FFI
+        replicated (see ``eagle_jax.runtime.sharding``). Under more than one device the Pallas
+        kernels run under shard_map (``eagle_jax.kernels.sharded``) and the CPU FFI
         kernels are off (the start-up line says so).
       draft_sharding: "replicated" (default: the draft whole on every device, its rows
         on ``data``) or "model" (its heads, MLP width and vocabularies split over
@@ -495,7 +495,7 @@ class EngineMetrics:
 def _load(target, draft, dtype, mesh=None):
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.target import read_target_config
+    from eagle_jax.models.registry import read_target_config
 
     if isinstance(target, (str, Path)):
         path = Path(target)
@@ -510,7 +510,7 @@ def _load(target, draft, dtype, mesh=None):
     if isinstance(draft, (str, Path)):
         draft = load_draft(draft, target=target, dtype=dtype)
     if not isinstance(target, TargetModel):
-        raise ConfigError(f"target must be a target model (eagle_jax.target.TargetModel) or a checkpoint path, got {type(target).__name__}")
+        raise ConfigError(f"target must be a target model (eagle_jax.models.target.TargetModel) or a checkpoint path, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, Eagle3Draft):
         raise ConfigError(f"draft must be an Eagle3Draft, a checkpoint path or None, got {type(draft).__name__}")
     return target, draft
@@ -519,7 +519,7 @@ def _load(target, draft, dtype, mesh=None):
 def _tokenizer_for(target_path, tokenizer):
     if tokenizer is not None or not isinstance(target_path, (str, Path)):
         return tokenizer
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(target_path)
 
@@ -648,7 +648,7 @@ class Engine:
         Only between requests, and only for a policy whose steps this engine compiled;
         it is not calibrated again (give it the timings yourself if it needs them)."""
         if not isinstance(policy, SpeculationPolicy):
-            raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
+            raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.serving.policy), got {type(policy).__name__}")
         if self.has_unfinished() or self._queue:
             raise ConfigError("use_policy() is for an idle engine: requests are still running")
         missing = [s.shape for s in policy_shapes(policy) if s not in self._table.shapes]
@@ -972,7 +972,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
     if policy is None:
         policy = default_policy(config, draft if isinstance(draft, (str, Path)) else None, has_draft=draft is not None)
     if not isinstance(policy, SpeculationPolicy):
-        raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.policy), got {type(policy).__name__}")
+        raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.serving.policy), got {type(policy).__name__}")
     shapes = policy_shapes(policy)
     if config.time_phases and not shapes:
         raise ConfigError("time_phases is set but nothing speculates (no draft, or a plain policy): no draft or "

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.spec_config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape
+from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape
 
 POLICIES = ("fixed", "threshold", "auto")
 MAX_DEPTH_LINES = 10  # acceptance-by-depth lines drawn one per point up to this many
@@ -289,7 +289,7 @@ class Runner:
         self._suites: dict = {}
 
     def models(self, model_dir: str, draft_dir: str | None, dtype: str):
-        from eagle_jax.evaluate import load_models
+        from eagle_jax.experiments.evaluate import load_models
 
         key = (model_dir, draft_dir, dtype)
         if key not in self._models:
@@ -302,7 +302,7 @@ class Runner:
         return self._models[key]
 
     def prompts(self, suite: str, max_prompts: int, tokenizer) -> tuple[str, list[list[int]]]:
-        from eagle_jax.evaluate import encode, load_suite, select
+        from eagle_jax.experiments.evaluate import encode, load_suite, select
 
         key = (suite, max_prompts)
         if key not in self._suites:
@@ -311,7 +311,7 @@ class Runner:
         return self._suites[key]
 
     def engine(self, target, draft, tokenizer, point: Point, max_seq_len: int, buckets, speculative: bool):
-        from eagle_jax.engine import Engine, EngineConfig, default_policy
+        from eagle_jax.serving.engine import Engine, EngineConfig, default_policy
 
         v = point.values
         sampled = v["temperature"] > 0
@@ -341,10 +341,10 @@ class Runner:
 
     def run(self, point: Point) -> dict[str, Any]:
         from eagle_jax.defaults import default_model_dir
-        from eagle_jax.evaluate import acceptance, context_sizes
-        from eagle_jax.policy import policy_shapes
-        from eagle_jax.sampling import SamplingParams
-        from eagle_jax.tokenizer import Tokenizer
+        from eagle_jax.experiments.evaluate import acceptance, context_sizes
+        from eagle_jax.serving.policy import policy_shapes
+        from eagle_jax.spec.sampling import SamplingParams
+        from eagle_jax.checkpoint.tokenizer import Tokenizer
 
         v = point.values
         model_dir = v.get("model") or str(default_model_dir())
@@ -432,7 +432,7 @@ def _spread(xs: list[float]) -> dict[str, Any]:
 
 
 def fingerprint(sweep: Sweep, dtype: str) -> dict[str, Any]:
-    from eagle_jax.evaluate import environment
+    from eagle_jax.experiments.evaluate import environment
 
     env = environment(dtype)
     env["seeds"] = {"prompt_i": "seed + i", "note": "temperature 0 draws no random numbers"}
@@ -445,9 +445,9 @@ def run_sweep(sweep: Sweep, out: Path, log=print, runner: Runner | None = None) 
     lines = out / "points.jsonl"
     done = read_done(lines, sweep.sha256)
     todo = [p for p in sweep.points if p.key not in done]
-    from eagle_jax.evaluate import _boot_id
+    from eagle_jax.environment import boot_id
 
-    others = {_machine(r) for r in done.values()} - {_boot_id() or "unrecorded"}
+    others = {_machine(r) for r in done.values()} - {boot_id() or "unrecorded"}
     if others and todo:
         log(f"ablation {sweep.name}: {len(done)} points in {lines} were taken on another machine or boot; "
             "their tokens/s will not compare with the new points' (the summary marks each point's machine)")

@@ -47,7 +47,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from eagle_jax.errors import ConfigError
-from eagle_jax.target import DEFAULT_AXIS_RULES
+from eagle_jax.models.target import DEFAULT_AXIS_RULES
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from eagle_jax.draft import Eagle3Draft
-from eagle_jax.spec_config import DRAFT_SYNC_MODES, SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
-from eagle_jax.model import KVCache, PrefixMask, TreeAttention, write_rows
-from eagle_jax.sharded_kernels import shard_rows
-from eagle_jax.target import ArraySpec, TargetModel, cache_len
-from eagle_jax.sampling import (
+from eagle_jax.models.draft import Eagle3Draft
+from eagle_jax.spec.config import DRAFT_SYNC_MODES, SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
+from eagle_jax.models.llama import KVCache, PrefixMask, TreeAttention, write_rows
+from eagle_jax.kernels.sharded import shard_rows
+from eagle_jax.models.target import ArraySpec, TargetModel, cache_len
+from eagle_jax.spec.sampling import (
     SamplingArrays,
     inverse_cdf_sample,
     position_keys,
@@ -390,7 +390,7 @@ def _step_keys(samp: SamplingArrays, seq_lens):
 
 # A draft hook rewrites the drafted tree before verification: ``hook(tree, state, samp)
 # -> tree``, traced into the step. Production steps have none; measurement harnesses (the
-# oracle proposer in ``eagle_jax.oracle``) use it, reading per-row data from
+# oracle proposer in ``eagle_jax.spec.oracle``) use it, reading per-row data from
 # ``state.hook_data``.
 TreeHook = Callable[["Tree", SpecState, SamplingArrays], "Tree"]
 
@@ -584,6 +584,6 @@ def _deferred_spec(draft: Eagle3Draft, batch: int, max_seq_len: int, dtype) -> d
 def new_state(target: TargetModel, draft: Eagle3Draft | None, cfg: SpeculativeConfig, batch: int, max_seq_len: int) -> SpecState:
     """A zeroed state for one shape (eager arrays; the step table builds its own inside
     compiled graphs). For tests and training code that drive the step math directly."""
-    from eagle_jax.target import init_from_spec
+    from eagle_jax.models.target import init_from_spec
 
     return init_from_spec(state_spec(target, draft, [cfg], batch, max_seq_len))

@@ -39,8 +39,6 @@ import dataclasses
 import hashlib
 import importlib.resources
 import json
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -49,8 +47,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle_jax.defaults import default_model_dir, enable_compilation_cache, positive_int, pow2_at_least, prompt_buckets_for
+from eagle_jax.environment import fingerprint
 from eagle_jax.errors import InputError
-from eagle_jax.prompts import PromptRecord, iter_prompt_file
+from eagle_jax.serving.prompts import PromptRecord, iter_prompt_file
 
 SUITES = ("mt_bench", "humaneval", "gsm8k", "alpaca")
 # Chains S=1..5 and the default tree of `generate`.
@@ -153,7 +152,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 def shape_config(nums: tuple[int, ...]):
     """The SpeculativeConfig of a parsed ``--shapes`` item."""
     from eagle_jax.errors import ConfigError
-    from eagle_jax.speculative import SpeculativeConfig
+    from eagle_jax.spec.steps import SpeculativeConfig
 
     try:
         if len(nums) == 1:
@@ -217,36 +216,9 @@ def _display_path(p: Path) -> str:
         return str(p)
 
 
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "asimd", "sve")
-
-
-def _cpu_flags() -> list[str]:
-    """The vector extensions the matrix products can use (two CPUs of one model name may
-    differ: a VM's "AMD EPYC" with AVX-512 and one with AVX2 only)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return []
-    for line in cpuinfo.read_text(errors="replace").splitlines():
-        if line.startswith(("flags", "Features")) and ":" in line:
-            have = set(line.split(":", 1)[1].split())
-            return [f for f in SIMD_FLAGS if f in have]
-    return []
-
-
-def _boot_id() -> str | None:
-    """Which boot of which machine took the figures: timings are comparable only within
-    one (two sessions' VMs of the same CPU model measured 37 and 17 tok/s plain)."""
-    f = Path("/proc/sys/kernel/random/boot_id")
-    return f.read_text().strip() if f.is_file() else None
+def environment(dtype: str) -> dict[str, Any]:
+    """What the figures depend on (``eagle_jax.environment.fingerprint``)."""
+    return fingerprint(dtype)
 
 
 def _sha256(path: Path) -> str:
@@ -255,34 +227,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def environment(dtype: str) -> dict[str, Any]:
-    """What the figures depend on: versions, source commit, devices, CPU, dtype, seeds."""
-    import jax
-
-    from eagle_jax import doctor
-
-    install = doctor.install_info()
-    git = doctor.git_info(install["imported_from"])
-    git.pop("root", None)  # a machine path
-    return {
-        "eagle_jax": install["version"],
-        "git": git,
-        "packages": {dist: info["version"] for dist, info in doctor.packages_info().items() if info["version"]},
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "jax_backend": jax.default_backend(),
-        "devices": [f"{d.platform}:{d.device_kind}" for d in jax.devices()],
-        "cpu": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
-        "boot_id": _boot_id(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "env": {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES") if k in os.environ},
-        "dtype": dtype,
-        "seeds": {"sampling": 0, "note": "greedy decoding (temperature 0) draws no random numbers"},
-    }
 
 
 # ----------------------------------------------------------------------------- the run
@@ -296,7 +240,7 @@ def context_sizes(longest: int, max_new_tokens: int, context: int) -> tuple[int,
 
 
 class SwitchedPolicy:
-    """A speculation policy (``eagle_jax.policy.SpeculationPolicy``) that speculates with
+    """A speculation policy (``eagle_jax.serving.policy.SpeculationPolicy``) that speculates with
     whichever of its shapes eval-draft set last: one engine holds every shape, so the
     prefill and insert graphs are compiled once, not once per shape."""
 
@@ -320,7 +264,7 @@ def load_models(model_dir: Path, draft_dir: Path, dtype: str | None):
     """Target (built to return the draft's feature layers) and draft, loaded once for every engine."""
     from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
     from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.target import read_target_config
+    from eagle_jax.models.registry import read_target_config
 
     tcfg = read_target_config(model_dir)
     dcfg = read_draft_config(draft_dir, target_cfg=tcfg)
@@ -340,8 +284,8 @@ def run_eval(
     """
     import jax.numpy as jnp
 
-    from eagle_jax.engine import Engine, EngineConfig, compile_count
-    from eagle_jax.sampling import SamplingParams
+    from eagle_jax.serving.engine import Engine, EngineConfig, compile_count
+    from eagle_jax.spec.sampling import SamplingParams
 
     prompts = {s.name: [encode(tokenizer, r) for r in s.records] for s in suites}
     context = target.config.max_position_embeddings
@@ -539,7 +483,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from eagle_jax.checkpoint.hf import resolve_dtype
-    from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     args.suite = args.suite or list(SUITES)
     args.shapes = [shape_config(nums) for nums in args.shapes]

@@ -21,14 +21,14 @@ logits with it); how it is computed differs where inference wants it to:
   and ``dense`` (every expert on every token, weighted by the routing: a reference).
   ``moe_impl_for`` picks per compiled shape, by the measurement in
   results/bench_moe.json on CPU. Routed experts may be INT4 packs
-  (``eagle_jax.quant``), dequantized inside the product.
+  (``eagle_jax.models.quant``), dequantized inside the product.
 - RoPE on the rope part only; DeepSeek's checkpoints lay it out in interleaved pairs
   (``rope_interleave``), which is rotated in place of a de-interleaving copy, as
   transformers does: the output layout is de-interleaved for queries and keys alike, so
   their dot products are unchanged.
 
 Feature layers, the cache contract and the forward signature are the target seam's
-(``eagle_jax.target``); ``param_name_map`` maps parameters to the checkpoint's names,
+(``eagle_jax.models.target``); ``param_name_map`` maps parameters to the checkpoint's names,
 one tensor per expert, stacked by the loader.
 """
 
@@ -45,11 +45,11 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from eagle_jax.config import RopeScaling, _check_unsupported_fields, default_feature_layers
+from eagle_jax.models.config import RopeScaling, _check_unsupported_fields, default_feature_layers
 from eagle_jax.errors import ConfigError
-from eagle_jax.quant import Int4Weight, QuantConfig
-from eagle_jax.model import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, decoder_stack, head_logits, write_rows
-from eagle_jax.target import ArraySpec, TargetFamily, register_target
+from eagle_jax.models.quant import Int4Weight, QuantConfig
+from eagle_jax.models.llama import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, decoder_stack, head_logits, write_rows
+from eagle_jax.models.target import ArraySpec, TargetFamily, register_target
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 # Kimi-K2.5: a vision-language container whose text model (``text_config``, model_type

@@ -1,7 +1,7 @@
 """Experiment-level entry points over the engine: ``Generator`` (plain), ``SpeculativeGenerator``
 and ``speculative_generate``.
 
-There is one host loop, the engine's (``eagle_jax.engine``); these wrappers size an engine
+There is one host loop, the engine's (``eagle_jax.serving.engine``); these wrappers size an engine
 to each call from ``Buckets`` (a batch bucket that holds the call's prompts, a prompt
 bucket for its longest prompt, a cache that holds its longest request) and keep engines
 for the sizes they have seen, so repeated calls compile nothing. Results are the engine's
@@ -13,15 +13,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from eagle_jax.draft import Eagle3Draft, check_compatible
-from eagle_jax.engine import Completion, Engine, EngineConfig
+from eagle_jax.models.draft import Eagle3Draft, check_compatible
+from eagle_jax.serving.engine import Completion, Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.policy import FixedPolicy, PlainPolicy
-from eagle_jax.requests import check_prompt, normalize_params
-from eagle_jax.runtime import KERNEL_IMPLS
-from eagle_jax.sampling import SamplingParams
-from eagle_jax.spec_config import SpeculativeConfig
-from eagle_jax.target import TargetModel
+from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
+from eagle_jax.serving.requests import check_prompt, normalize_params
+from eagle_jax.runtime.step_table import KERNEL_IMPLS
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.config import SpeculativeConfig
+from eagle_jax.models.target import TargetModel
 
 __all__ = ["Buckets", "Completion", "Generator", "SpeculativeGenerator", "speculative_generate"]
 
@@ -91,7 +91,7 @@ class Generator(_Wrapper):
 
     Args:
       model: the target.
-      tokenizer: optional ``eagle_jax.tokenizer.Tokenizer`` (text output, stop strings).
+      tokenizer: optional ``eagle_jax.checkpoint.tokenizer.Tokenizer`` (text output, stop strings).
       buckets: static shapes engines are sized from.
       max_seq_len: context limit (default: the model's ``max_position_embeddings``,
         capped by the largest cache bucket).
@@ -165,7 +165,7 @@ class SpeculativeGenerator(_Wrapper):
         if oracle is None:
             engine = self._engine((cfg, None), lambda: Engine(self.target, self.draft, cfg, self.tokenizer, policy=policy(), progress=False))
             return engine.generate(prompts, params, on_text=on_text)
-        from eagle_jax.oracle import OracleHook
+        from eagle_jax.spec.oracle import OracleHook
 
         hook = OracleHook(noise=float(oracle_noise), vocab_size=self.target.config.vocab_size)
         width = cfg.max_seq_len + self.spec.num_draft_tokens

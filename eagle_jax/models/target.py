@@ -1,6 +1,6 @@
 """The target-model seam: what the step math, the step table, the engine, the loader and
-the doctor need from a target, and the registry that maps a checkpoint's
-``architectures`` to an implementation.
+the doctor need from a target, and the table families register into (``register_target``;
+``eagle_jax.models.registry`` looks a checkpoint's ``architectures`` up in it).
 
 A target is an NNX module with:
 
@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eagle_jax.errors import ConfigError
 
 # Logical axis names used by caches and parameters, and where each goes on the mesh
-# (axes "data", "expert" and "model", built by ``eagle_jax.sharding.make_mesh``). None: replicated.
+# (axes "data", "expert" and "model", built by ``eagle_jax.runtime.sharding.make_mesh``). None: replicated.
 # Parameters carry theirs as ``logical_axes`` metadata (``model.Linear`` and friends);
 # ``sharding.model_axis_rules`` adapts these rules to a model and mesh (KV heads that do
 # not divide "model" are replicated) and checks the sizes divide.
@@ -157,44 +157,6 @@ def register_target(architectures: tuple[str, ...], family: TargetFamily) -> Non
         if arch in _FAMILIES and _FAMILIES[arch] is not family:
             raise ValueError(f"architecture {arch!r} is registered twice")
         _FAMILIES[arch] = family
-
-
-def supported_architectures() -> tuple[str, ...]:
-    _ensure_builtin()
-    return tuple(sorted(_FAMILIES))
-
-
-def family_for(config_dict: dict, where: str = "config.json") -> TargetFamily:
-    """The implementation for a config.json dict, by its ``architectures[0]``."""
-    _ensure_builtin()
-    archs = config_dict.get("architectures") or ["LlamaForCausalLM"]
-    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
-        raise ConfigError(f"{where}: 'architectures' must be a list of names, got {archs!r}")
-    fam = _FAMILIES.get(archs[0])
-    if fam is None:
-        raise ConfigError(
-            f"{where}: architecture {archs[0]!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
-        )
-    return fam
-
-
-def read_target_config(path, kind: str = "checkpoint"):
-    """The frozen config of the target checkpoint in directory ``path``, read by the
-    implementation its config.json names (any registered family): what every command
-    sizes its context and features by, never one family's own config class."""
-    from pathlib import Path
-
-    from eagle_jax.config import read_config_json
-
-    raw = read_config_json(path, kind)
-    return family_for(raw, str(Path(path) / "config.json")).config_from_hf(raw)
-
-
-def _ensure_builtin() -> None:
-    # The built-in families register themselves on import; importing here (not at module
-    # top) keeps this module below model.py in the layering.
-    import eagle_jax.deepseek  # noqa: F401
-    import eagle_jax.model  # noqa: F401
 
 
 def checkpoint_shapes(names: dict, shapes: dict) -> dict[str, tuple[int, ...]]:

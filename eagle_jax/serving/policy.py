@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.spec_config import SpeculativeConfig, parse_shape
+from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ hidden dims replicated). Parameters are placed with those shardings, in and out
 shardings are pinned on every graph and GSPMD partitions the rest. The draft runs
 replicated over "model" (see ``__init__``). Under a mesh of several devices the Pallas
 kernels run inside shard_map (custom calls cannot be partitioned by GSPMD;
-``eagle_jax.sharded_kernels``) and the CPU FFI kernels are off.
+``eagle_jax.kernels.sharded``) and the CPU FFI kernels are off.
 
 Calling a key that was not built raises ``CompileAfterBuildError``, and a built graph is
 a ``Compiled`` executable, which refuses arguments of other shapes instead of
@@ -43,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eagle_jax import cpu_matmul
-from eagle_jax.draft import Eagle3Draft
+from eagle_jax.kernels import cpu_matmul
+from eagle_jax.models.draft import Eagle3Draft
 from eagle_jax.errors import ConfigError, EagleJaxError
-from eagle_jax.model import BoundModules
-from eagle_jax.sampling import SamplingArrays
-from eagle_jax.spec_config import SpeculativeConfig
-from eagle_jax.speculative import (
+from eagle_jax.models.llama import BoundModules
+from eagle_jax.spec.sampling import SamplingArrays
+from eagle_jax.spec.config import SpeculativeConfig
+from eagle_jax.spec.steps import (
     DraftSync,
     SpecState,
     Tree,
@@ -62,8 +62,8 @@ from eagle_jax.speculative import (
     tree_attention_impl_for,
     verify_phase_impl,
 )
-from eagle_jax.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
-from eagle_jax.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
+from eagle_jax.runtime.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
+from eagle_jax.models.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class StepTable:
     """Every compiled graph for one (target, draft) pair and one set of static shapes.
 
     Args:
-      target: the target model (``eagle_jax.target.TargetModel``).
+      target: the target model (``eagle_jax.models.target.TargetModel``).
       draft: the EAGLE-3 draft, or None (plain steps only).
       shapes: the speculative shapes the policy may choose (empty: plain only).
       batch_buckets: padded batch sizes.
@@ -226,7 +226,7 @@ class StepTable:
         self.backend = jax.default_backend()
         # The Pallas kernels (verify, sampling, tree attention) are custom calls, which
         # GSPMD cannot partition; under a mesh of several devices each runs inside
-        # shard_map on its device's rows and heads (eagle_jax.sharded_kernels).
+        # shard_map on its device's rows and heads (eagle_jax.kernels.sharded).
         # ``kernel_impl`` is what the graphs use, ``kernel_path`` says so (start-up line).
         self.kernel_impl = kernel_impl
         self.kernel_path = (f"{kernel_impl} (Pallas kernels under shard_map over {self.mesh.size} devices)"
@@ -601,7 +601,7 @@ class StepTable:
         rows whose every row holds ``context`` committed positions (zeroed KV: what the
         attention costs does not depend on the values; a deferred draft counts as in
         sync), from launch to results ready (what a cost model calibrates on)."""
-        from eagle_jax.sampling import SamplingParams
+        from eagle_jax.spec.sampling import SamplingParams
 
         if not (isinstance(context, int) and 0 <= context < self.max_seq_len):
             raise ConfigError(f"calibration context={context!r} must be an integer in [0, max_seq_len={self.max_seq_len})")

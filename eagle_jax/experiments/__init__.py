@@ -1,0 +1,1 @@
+"""Measurement commands on top of the engine: bench, ablate and eval-draft."""
