@@ -5,7 +5,8 @@ SamplingParams`` (imported on first use, so ``import eagle_jax`` stays cheap).""
 
 _API = {
     "Engine": "eagle_jax.serving.engine",
-    "EngineConfig": "eagle_jax.serving.engine",
+    "EngineConfig": "eagle_jax.serving.config",
+    "Completion": "eagle_jax.serving.requests",
     "SamplingParams": "eagle_jax.spec.sampling",
     "SpeculativeConfig": "eagle_jax.spec.config",
 }

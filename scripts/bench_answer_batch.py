@@ -60,7 +60,7 @@ def main() -> int:
     finished = 0
 
     def running_tokens():
-        return sum(len(r.progress.tokens) for r in engine._requests.values())
+        return sum(len(r.progress.tokens) for r in engine.scheduler.requests.values())
 
     def run_for(seconds):
         nonlocal nxt, finished_tokens, finished

@@ -73,7 +73,7 @@ def decode(target, draft, prompts, params, mesh, shape, **config) -> dict:
                     policy=None if shape is None else FixedPolicy(shape), progress=False)
     done = engine.generate(prompts, params)
     return {"tokens": [c.token_ids for c in done], "accept_lengths": [c.accept_lengths for c in done],
-            "describe": engine._describe, "engine": engine}
+            "describe": engine.description, "engine": engine}
 
 
 MODES = (("plain", None), ("chain", CHAIN), ("tree", TREE))
@@ -92,7 +92,7 @@ def engines() -> dict:
     for mesh in [(1, 8), (2, 4)]:
         for mode, shape in MODES[1:]:
             r = decode(target, draft, prompts, params, mesh, shape, draft_sharding="model")
-            r["draft_specs"] = sorted({str(spec(x)) for x in r.pop("engine")._table.params[1]})
+            r["draft_specs"] = sorted({str(spec(x)) for x in r.pop("engine").table.params[1]})
             runs[f"{mesh[0]}x{mesh[1]} {mode} draft-split"] = r
     return {"runs": runs}
 
@@ -146,7 +146,7 @@ def experts() -> dict:
                                 policy=None if shape is None else FixedPolicy(shape), progress=False)
                 done = engine.generate(prompts, params)
                 out["runs"][f"{'int4' if int4 else 'f32'} {'x'.join(map(str, mesh))} {mode}"] = {
-                    "tokens": [c.token_ids for c in done], "describe": engine._describe}
+                    "tokens": [c.token_ids for c in done], "describe": engine.description}
         for mesh in [(1, 4, 1), (1, 4, 2), (2, 2, 2)]:
             t = StepTable(target, None, shapes=(), batch_buckets=(2,), prompt_buckets=(), max_seq_len=32,
                           sampled=False, mesh=make_mesh(mesh))
@@ -287,7 +287,7 @@ def sliced() -> dict:
         one = Engine(full, None, EngineConfig(**base), progress=False).generate(prompts, params)
         tp = Engine(d, None, EngineConfig(mesh=(1, 8), **base), progress=False)
         out["engine_equal"] = [c.token_ids for c in tp.generate(prompts, params)] == [c.token_ids for c in one]
-        out["engine_param_specs"] = sorted({str(spec(a)) for a in jax.tree.leaves(tp._table.params[0])})
+        out["engine_param_specs"] = sorted({str(spec(a)) for a in jax.tree.leaves(tp.table.params[0])})
     return out
 
 

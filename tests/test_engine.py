@@ -61,13 +61,13 @@ def engine(request, target, draft, reference):
 def _add(engine, i, n, **kw):
     """Queue PROMPTS[i] for n greedy tokens (with its oracle row when the engine has a hook)."""
     hook = None
-    if engine._hook_width:
+    if engine.table.hook_width:
         hook = PROMPTS[i] + _REFERENCE[i].token_ids
     return engine.add_request(PROMPTS[i], _greedy(n), hook_data=hook, **kw)
 
 
 def _oracle_rows(engine, idx):
-    return None if not engine._hook_width else [PROMPTS[i] + _REFERENCE[i].token_ids for i in idx]
+    return None if not engine.table.hook_width else [PROMPTS[i] + _REFERENCE[i].token_ids for i in idx]
 
 
 _REFERENCE: list = []
@@ -113,14 +113,14 @@ def test_cutoff_run_is_token_identical_and_compiles_nothing(engine, reference):
     assert len(s["acceptance_rate_by_depth"]) == SPEC.num_steps
     assert engine.metrics.spec_steps > spec_before
     accepts = [a for rid in ids for a in done[rid].accept_lengths]
-    if engine._hook_width:  # the noisy oracle really accepted several tokens per step
+    if engine.table.hook_width:  # the noisy oracle really accepted several tokens per step
         assert np.mean(accepts) > 1.5
     else:
         assert np.mean(accepts) < 1.3
 
 
 def test_step_table_refuses_graphs_it_did_not_build(engine):
-    t = engine._table
+    t = engine.table
     with pytest.raises(CompileAfterBuildError, match="not compiled at start-up"):
         t._get(("step", 3, SPEC, True))  # a batch of 3: no such bucket
     with pytest.raises(CompileAfterBuildError, match="not compiled at start-up"):
@@ -236,11 +236,11 @@ def test_time_phases_is_token_identical_times_both_phases_and_compiles_nothing(t
     ids = [eng.add_request(PROMPTS[1], _greedy(LENGTHS[1]))]
     for _ in range(3):  # batch 1, then 2 (one request queued), then 1 again
         eng.step()
-        buckets.add(len(eng._slots))
+        buckets.add(len(eng.scheduler.slots))
     ids += [eng.add_request(PROMPTS[i], _greedy(LENGTHS[i])) for i in (4, 6)]
     while eng.has_unfinished():
         eng.step()
-        buckets.add(len(eng._slots))
+        buckets.add(len(eng.scheduler.slots))
     done = {c.id: c for c in eng.pop_finished()}
     timed_out = [done[rid].token_ids for rid in ids]
     assert buckets == set(TIMED.batch_buckets)
@@ -260,7 +260,7 @@ def test_time_phases_attributes_time_to_the_right_phase(timed_engine, monkeypatc
     """A known delay in the draft phase shows up in draft_s and not in verify_s (the split
     is measured, not apportioned)."""
     eng, m = timed_engine, timed_engine.metrics
-    real = eng._table.draft_phase
+    real = eng.table.draft_phase
     delay = 0.15
 
     def slow_draft(*args, **kwargs):
@@ -269,7 +269,7 @@ def test_time_phases_attributes_time_to_the_right_phase(timed_engine, monkeypatc
         time.sleep(delay)
         return out
 
-    monkeypatch.setattr(eng._table, "draft_phase", slow_draft)
+    monkeypatch.setattr(eng.table, "draft_phase", slow_draft)
     steps0, d0, v0 = m.spec_steps, m.draft_s, m.verify_s
     eng.generate([PROMPTS[0]], [_greedy(8)])
     n = m.spec_steps - steps0

@@ -16,7 +16,7 @@ from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.serving.generate import Buckets, Generator
 from eagle_jax.models.llama import LlamaModel
-from eagle_jax.serving.policy import FixedPolicy, PlainPolicy, ThresholdPolicy
+from eagle_jax.serving.policy import FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy
 from eagle_jax.serving.requests import RequestProgress
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.spec.sampling import SamplingParams
@@ -115,7 +115,7 @@ def test_shape_strings_round_trip():
         parse_shape("tree S=2 k=2 T=99")
 
 
-class _Cycle:
+class _Cycle(SpeculationPolicy):
     """A policy that switches among plain, a chain and a tree every step."""
 
     def __init__(self):
@@ -140,7 +140,7 @@ def test_policy_switching_shapes_mid_request_is_lossless_and_observed(target, dr
     policy = _Cycle()
     eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=4, max_seq_len=64, prompt_buckets=(16,), speculative=SPEC,
                                              draft_sync=sync), policy=policy, progress=False)
-    assert eng._table.draft_sync.mode == sync
+    assert eng.table.draft_sync.mode == sync
     out = eng.generate(prompts, _greedy(30))
     assert [c.token_ids for c in out] == [r.token_ids for r in ref]
     shapes_seen = {s for _, s, _ in policy.seen}
@@ -248,17 +248,17 @@ def test_aligned_cache_is_lossless(target, draft):
     ref = Generator(target, buckets=Buckets(batch=(2,), prompt=(16,), cache=(64,))).generate(prompts, _greedy(20))
     eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=2, max_seq_len=64, prompt_buckets=(16,), speculative=TREE,
                                              cache_align=64), progress=False)
-    assert eng._table.target_cache_len == 128
+    assert eng.table.target_cache_len == 128
     assert [c.token_ids for c in eng.generate(prompts, _greedy(20))] == [r.token_ids for r in ref]
 
 
 def test_requests_admitted_together_share_one_prefill(target, draft, monkeypatch):
     eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=4, max_seq_len=64, prompt_buckets=(16, 64), speculative=SPEC),
                  progress=False)
-    assert eng._table.prefill_batches[16] == (1, 2, 4) and eng._table.prefill_batches[64] == (1, 2, 4)
+    assert eng.table.prefill_batches[16] == (1, 2, 4) and eng.table.prefill_batches[64] == (1, 2, 4)
     calls = []
-    real = eng._table.prefill
-    monkeypatch.setattr(eng._table, "prefill", lambda tokens, *a: calls.append(tokens.shape) or real(tokens, *a))
+    real = eng.table.prefill
+    monkeypatch.setattr(eng.table, "prefill", lambda tokens, *a: calls.append(tokens.shape) or real(tokens, *a))
     prompts = [[5, 6, 7], [8, 9], [10] * 20, [11, 12, 13, 14]]
     out = eng.generate(prompts, _greedy(6))
     # Three short prompts: one call of 2 and one of 1 (the largest compiled sizes that fit);

@@ -49,6 +49,7 @@ from typing import Any, Sequence
 from eagle_jax.defaults import default_model_dir, enable_compilation_cache, positive_int, pow2_at_least, prompt_buckets_for
 from eagle_jax.environment import fingerprint
 from eagle_jax.errors import InputError
+from eagle_jax.serving.policy import SpeculationPolicy
 from eagle_jax.serving.prompts import PromptRecord, iter_prompt_file
 
 SUITES = ("mt_bench", "humaneval", "gsm8k", "alpaca")
@@ -239,7 +240,7 @@ def context_sizes(longest: int, max_new_tokens: int, context: int) -> tuple[int,
     return max_seq_len, prompt_buckets_for(longest, max_seq_len, MIN_PROMPT_BUCKET)
 
 
-class SwitchedPolicy:
+class SwitchedPolicy(SpeculationPolicy):
     """A speculation policy (``eagle_jax.serving.policy.SpeculationPolicy``) that speculates with
     whichever of its shapes eval-draft set last: one engine holds every shape, so the
     prefill and insert graphs are compiled once, not once per shape."""

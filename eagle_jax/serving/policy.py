@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -32,35 +32,49 @@ from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 log = logging.getLogger(__name__)
 
 
-@runtime_checkable
-class SpeculationPolicy(Protocol):
-    shapes: tuple[SpeculativeConfig, ...]  # every speculative shape it may choose
-    runs_plain: bool  # whether it may choose the plain step
+class SpeculationPolicy:
+    """The interface between a policy and the engine; every policy subclasses it.
+
+    A subclass sets ``shapes`` (every speculative shape it may choose: the step table
+    compiles exactly these) and ``runs_plain`` (whether it may choose the plain step),
+    and implements ``choose`` and ``describe``. The rest have defaults for a policy that
+    does not measure: override them to learn from what the engine reports.
+    """
+
+    shapes: tuple[SpeculativeConfig, ...] = ()
+    runs_plain: bool = True
+    # Whether choose() depends on measured step times. The engine refuses such a policy
+    # on a mesh over several processes: each would measure its own times and could
+    # launch another graph than the others, and their collectives would wait for good.
+    uses_timings: bool = False
 
     def choose(self, bucket: int) -> SpeculativeConfig | None:
         """The step to run next for a padded batch of ``bucket`` rows (None: plain)."""
+        raise NotImplementedError(f"{type(self).__name__}.choose")
 
     def observe(self, bucket: int, shape: SpeculativeConfig | None, accept_lengths: np.ndarray, step_s: float | None) -> None:
         """A step of ``shape`` ran for ``bucket``: the accept length of each live row
         (``[n]``; 1 for plain steps) and, when the engine could time it, the seconds it
-        cost in the loop (results to results, nothing else queued between; else None)."""
+        cost in the loop (``metrics.StepTimings``: results to results, the same step
+        before it, nothing else queued between; else None)."""
+
+    def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int]) -> str | None:
+        """Called once the step table is built: ``time_step(bucket, shape)`` runs one
+        compiled step on a fresh state (rows at ``EngineConfig.spec_calibration_context``)
+        and returns its seconds. Returns a line for the start-up log, or None."""
+        return None
+
+    def predicted_tokens_per_second(self, bucket: int, shape: SpeculativeConfig | None) -> float | None:
+        """What the policy expects ``shape`` to deliver in a full ``bucket`` (the engine
+        reports it beside the measured figure), or None when it does not predict."""
+        return None
 
     def describe(self) -> str:
         """One line for the start-up log."""
-
-    # Optional (the engine calls them when a policy has them; ``AutoPolicy`` does):
-    #   calibrate(time_step, buckets) -> str | None: once the step table is built;
-    #     ``time_step(bucket, shape)`` runs one compiled step on a fresh state (rows at the
-    #     engine's calibration context, ``EngineConfig.spec_calibration_context``) and returns
-    #     its seconds; the returned line goes into the start-up log.
-    #   predicted_tokens_per_second(bucket, shape) -> float | None: what the policy
-    #     expects ``shape`` to deliver in a full ``bucket`` (reported beside the measured).
-    #   uses_timings: bool (absent: False): whether choose() depends on measured step
-    #     times. The engine refuses such a policy on a mesh over several processes (each
-    #     would measure its own and could launch another graph than the others).
+        raise NotImplementedError(f"{type(self).__name__}.describe")
 
 
-class PlainPolicy:
+class PlainPolicy(SpeculationPolicy):
     """Never speculate (no draft, or speculation switched off)."""
 
     shapes: tuple[SpeculativeConfig, ...] = ()
@@ -69,14 +83,11 @@ class PlainPolicy:
     def choose(self, bucket: int) -> None:
         return None
 
-    def observe(self, bucket, shape, accept_lengths, step_s) -> None:
-        pass
-
     def describe(self) -> str:
         return "off"
 
 
-class FixedPolicy:
+class FixedPolicy(SpeculationPolicy):
     """Always speculate with ``shape``."""
 
     def __init__(self, shape: SpeculativeConfig):
@@ -89,14 +100,11 @@ class FixedPolicy:
     def choose(self, bucket: int) -> SpeculativeConfig:
         return self.shape
 
-    def observe(self, bucket, shape, accept_lengths, step_s) -> None:
-        pass
-
     def describe(self) -> str:
         return f"fixed {self.shape.shape}"
 
 
-class ThresholdPolicy:
+class ThresholdPolicy(SpeculationPolicy):
     """Speculate with ``shape`` while the padded batch is at most ``threshold``.
 
     Above it the plain step runs. Speculation returns only after ``hysteresis``
@@ -131,9 +139,6 @@ class ThresholdPolicy:
             self._on = self._below >= self.hysteresis or self._steps == 0
         self._steps += 1
         return self.shape if self._on else None
-
-    def observe(self, bucket, shape, accept_lengths, step_s) -> None:
-        pass
 
     def describe(self) -> str:
         if self.threshold is None:
@@ -235,7 +240,7 @@ class Calibration:
     budget_s: float
 
 
-class AutoPolicy:
+class AutoPolicy(SpeculationPolicy):
     """Run the step predicted to give the most tokens per second in each batch bucket.
 
     For a full bucket of b rows, a step of shape s delivers ``b * E[L_s] / t(b, s)``
@@ -334,7 +339,6 @@ class AutoPolicy:
         self._next_probe: dict = {}  # bucket -> (step number of the next probe, gap that led to it)
         self._probe_left: dict = {}  # bucket -> (the option being probed, steps of the probe still to run)
         self._last_observed: dict = {}  # bucket -> the shape of the step observed last
-        self.measured: dict = {}  # (bucket, shape) -> [tokens, seconds, steps] over timed steps
 
     # -- the model
 
@@ -493,10 +497,6 @@ class AutoPolicy:
             # not what the shape costs in steady state: a lone plain step between
             # speculative ones measured 17x a steady one on a tiny model. Not counted.
             return
-        m = self.measured.setdefault((bucket, shape), [0, 0.0, 0])
-        m[0] += int(acc.sum()) if acc.size else 0
-        m[1] += step_s
-        m[2] += 1
         ratio = step_s / self.calibration.seconds[(bucket, shape)]
         r = self._ratio.setdefault((bucket, shape), [ratio, 0])
         a = max(self.timing_smoothing, 1.0 / (r[1] + 1))  # a running mean until the average spans 1/smoothing steps
@@ -508,8 +508,9 @@ class AutoPolicy:
     # -- reporting
 
     def report(self) -> dict:
-        """Per calibrated bucket: the choice in force, predicted tokens/s of every option
-        (full bucket), and measured tokens/s of the options that ran with timing."""
+        """Per calibrated bucket: the choice in force, and every option's predicted
+        tokens/s (full bucket), expected accept length and step time. What the steps
+        measured is the engine's (``EngineMetrics.timings``)."""
         if self.calibration is None:
             return {}
         out = {}
@@ -519,9 +520,6 @@ class AutoPolicy:
                 "predicted_tokens_per_second": {_name(o): round(self.predicted_tokens_per_second(b, o), 2) for o in self.options()},
                 "expected_accept_length": {_name(o): round(self.expected_length(o), 3) for o in self.options()},
                 "step_ms": {_name(o): round(1000 * self.step_seconds(b, o), 3) for o in self.options()},
-                "measured_tokens_per_second": {
-                    _name(o): round(m[0] / m[1], 2) for (bb, o), m in self.measured.items() if bb == b and m[1] > 0
-                },
             }
         return out
 

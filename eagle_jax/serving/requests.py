@@ -1,11 +1,19 @@
-"""Host-side request handling shared by every entry point: prompt checks, per-request
-progress (tokens, streamed text, stop checks).
+"""Requests on the host: prompt checks, per-request progress (tokens, streamed text, stop
+checks), a request's timing (``RequestMetrics``) and the one result type (``Completion``).
+
+Request timing: ``queue_s`` is arrival to admission, ``ttft_s`` arrival to the first
+token, ``decode_tokens_per_second`` the tokens after the first over the time from the
+first to the last, and ``tokens_per_second`` all tokens over the time from arrival to
+the last (so it includes queueing and prefill).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from eagle_jax.errors import InputError
 from eagle_jax.spec.sampling import SamplingParams
@@ -96,3 +104,115 @@ def normalize_params(prompts, params) -> list[SamplingParams]:
     if len(params) != len(prompts):
         raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
     return list(params)
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """One request's accept lengths and times (``time.perf_counter`` seconds)."""
+
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)
+    spec_steps: int = 0
+    plain_steps: int = 0
+    arrival: float = 0.0
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def mean_accept_length(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to admission (prefill dispatched)."""
+        return None if self.admitted is None else self.admitted - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first token on the host."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def decode_tokens_per_second(self, n_tokens: int) -> float | None:
+        """Tokens after the first over the time from the first to the last (None with
+        fewer than two tokens)."""
+        if n_tokens < 2 or self.first_token is None or self.last_token is None or self.last_token <= self.first_token:
+            return None
+        return (n_tokens - 1) / (self.last_token - self.first_token)
+
+    def tokens_per_second(self, n_tokens: int) -> float:
+        """All tokens over arrival to the last token: includes queueing and prefill."""
+        end = self.last_token if self.last_token is not None else self.finished
+        if end is None or n_tokens == 0:
+            return 0.0
+        return n_tokens / max(end - self.arrival, 1e-9)
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished request: the only result type (engine, ``Generator`` and
+    ``SpeculativeGenerator`` all return it)."""
+
+    id: Any
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" or "cancelled"
+    metrics: RequestMetrics
+    truncated_prompt: bool = False
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return self.metrics.accept_lengths
+
+    @property
+    def mean_accept_length(self) -> float:
+        return self.metrics.mean_accept_length
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Counted from arrival (includes queueing and prefill); see ``decode_tokens_per_second``."""
+        return self.metrics.tokens_per_second(len(self.token_ids))
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        return self.metrics.decode_tokens_per_second(len(self.token_ids))
+
+    @property
+    def queue_s(self) -> float | None:
+        return self.metrics.queue_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.metrics.ttft_s
+
+    def timing(self) -> dict[str, float | None]:
+        """The timing fields of an output row (CLI JSONL), rounded."""
+        r = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
+        return {
+            "queue_s": r(self.queue_s), "ttft_s": r(self.ttft_s),
+            "decode_tokens_per_second": r(self.decode_tokens_per_second, 3),
+            "tokens_per_second": r(self.tokens_per_second, 3),
+        }
+
+
+class Request:
+    """One request inside the engine: its prompt ids, sampling settings, progress and timing."""
+
+    def __init__(self, rid, prompt: list[int], params: SamplingParams, progress: RequestProgress, truncated: bool, hook_data=None):
+        self.id = rid
+        self.prompt = prompt
+        self.params = params
+        self.progress = progress
+        self.truncated = truncated
+        self.hook_data = hook_data
+        self.metrics = RequestMetrics(arrival=time.perf_counter())
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self.progress.finish_reason is not None
+
+    def completion(self, tokenizer) -> Completion:
+        p = self.progress
+        return Completion(self.id, self.prompt, p.tokens, p.final_text(tokenizer), p.finish_reason, self.metrics, self.truncated)

@@ -468,7 +468,7 @@ def section_lossless(rec: Record, out: Path) -> None:
                         hook_width=max_seq, progress=False)
         build_s = time.perf_counter() - t0
         auto = engine.policy
-        table = engine._table
+        table = engine.table
         res = {"pair": what, "dtype": dtype, "build_s": round(build_s, 1), "graphs": table.report.graphs,
                "kernels": table.kernel_path, "verify_attention": table.verify_attention_path(), "runs": {}}
         # Which custom calls the compiled greedy tree step makes (the Pallas paths on a GPU).

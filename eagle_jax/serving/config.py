@@ -1,0 +1,235 @@
+"""``EngineConfig``: everything an engine is built for, validated before anything is
+loaded; and the decisions that follow from it alone (``default_policy``,
+``resolve_draft_sync``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from eagle_jax.errors import ConfigError
+from eagle_jax.runtime.sharding import check_mesh_shape
+from eagle_jax.runtime.step_table import DRAFT_SHARDINGS
+from eagle_jax.serving.policy import (
+    DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
+    policy_shapes,
+)
+from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, default_shape
+
+# EngineConfig.spec_policy's values (the command line's --spec-policy, plus plain).
+SPEC_POLICIES = ("auto", "fixed", "threshold", "plain")
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built for; validated before anything is loaded.
+
+    Args:
+      max_batch: requests decoded at once (more are queued).
+      max_seq_len: context of one request (prompt + new tokens).
+      batch_buckets: padded batch sizes compiled (default powers of two up to max_batch).
+      prompt_buckets: padded prompt lengths compiled for prefill (default powers of two
+        from 64 up to max_seq_len), so a prompt costs what its own bucket costs. A prompt
+        longer than the largest bucket is refused (or truncated, with ``long_prompt``).
+      dtype: "float32", "bfloat16", "float16" or None (float32 on CPU, bfloat16 on GPU).
+      speculative: the draft shape of the "fixed" and "threshold" policies (default
+        ``spec_config.default_shape()``, tree S=3 k=4 T=8), and the sampling settings
+        (``sampling_verify``, thresholds) of every policy's shapes.
+      spec_disable_batch_threshold: the "threshold" policy's cutoff: speculation runs
+        while the padded batch is <= this.
+      spec_hysteresis_steps: consecutive steps at or below the threshold before
+        speculation comes back on (and the "auto" policy's switching hysteresis).
+      spec_policy: which steps run, the command line's ``--spec-policy`` (one of
+        ``SPEC_POLICIES``):
+
+        - "auto" (``AutoPolicy``): times every candidate step per batch bucket at start-up
+          and runs the one predicted fastest, plain included; its acceptance prior comes
+          from the draft's model card when the draft is given as a directory;
+        - "fixed" (``FixedPolicy``): always the ``speculative`` shape;
+        - "threshold" (``ThresholdPolicy``): that shape, off above
+          ``spec_disable_batch_threshold``;
+        - "plain" (``PlainPolicy``): never speculate (a draft given is not used).
+
+        None (the default) picks as the command line does: "threshold" when
+        ``spec_disable_batch_threshold`` is set, "fixed" when ``speculative`` is, else
+        "auto". Without a draft the engine decodes plainly under "auto" (so
+        ``EngineConfig()`` serves a target alone, and speculates once a draft is given);
+        "fixed" and "threshold" need one.
+      spec_shapes: the candidates of the "auto" policy (default
+        ``policy.DEFAULT_AUTO_SHAPES``, with ``speculative``'s sampling settings, or the
+        defaults when it is None).
+      spec_calibration_s: the "auto" policy's start-up timing budget in seconds.
+      spec_calibration_context: the committed positions of every row while the "auto"
+        policy times the steps (default ``max_seq_len // 2``): a tree's verify attends
+        from several queries over the context, so timed on an empty state it looks
+        cheaper against plain than it runs (tree S=2 k=4 T=6 on SmolLM2: 45 ms timed
+        empty, 79 ms in the loop on MT-bench prompts, chain S=1 38 and 42).
+      detect_nan: check every step's logits; a non-finite row raises ``NonFiniteError``.
+      long_prompt: "error" (reject prompts that leave no room) or "truncate" (keep the
+        prompt's last tokens, and say so in the completion).
+      kernel_impl: verification kernels: "auto", "kernel" or "reference".
+      time_phases: measure draft and verify time separately: each speculative step runs
+        as two compiled graphs (draft phase, verify phase), each waited for and timed, so
+        ``EngineMetrics.summary()`` reports ``draft_s``, ``verify_s`` and ``draft_share``.
+        Costs the host/device overlap of speculative steps (a measuring mode, not for
+        serving); plain steps are unaffected. Needs a draft and a policy that speculates.
+      prefill_token_budget: requests admitted together are prefilled in one call while
+        their padded prompts fit this many tokens (``runtime.default_prefill_batches``).
+      sampled_steps: compile steps for batches with sampled requests; False compiles the
+        greedy steps only (half the graphs) and refuses requests with temperature > 0.
+      cache_align: round the target cache up to a multiple of this many slots (default:
+        64 on GPUs, the tree-attention kernel's block, so the kernel applies; 1 on CPU).
+      mesh: the device mesh, ``(data, model)`` or ``(data, expert, model)`` sizes, ``"data=D,model=M"`` (optionally ``expert=E``) or ``"auto"``
+        (every device, of every process, on ``model``); held as ``(D, M)`` or ``"auto"``. ``model``
+        splits the target's heads, MLP width and vocabulary (tensor parallelism; KV heads
+        that do not divide it are replicated), ``data`` the batch rows of one engine: a
+        batch bucket that is a multiple of ``data`` is split over it, others run
+        replicated (see ``eagle_jax.runtime.sharding``). Under more than one device the Pallas
+        kernels run under shard_map (``eagle_jax.kernels.sharded``) and the CPU FFI
+        kernels are off (the start-up line says so).
+      draft_sharding: "replicated" (default: the draft whole on every device, its rows
+        on ``data``) or "model" (its heads, MLP width and vocabularies split over
+        ``model``; its sizes must divide it). ``scripts/bench_draft_sharding.py`` times both.
+      draft_sync: how the draft follows the target where speculation is off
+        (``speculative.DraftSync``): "eager" (prefill runs the draft over the prompt and
+        every plain step runs a 1-token draft extend), "deferred" (they only store the
+        draft's inputs, one vector of the draft's width per position; the next
+        speculative step runs the draft over what is pending: a request that never
+        speculates never pays for the draft) or "auto" (default: deferred where the policy
+        can run plain steps and speculate, on one device; eager otherwise, where the
+        catch-up's row gather would cross the "data" shards).
+    """
+
+    max_batch: int = 8
+    max_seq_len: int = 1024
+    batch_buckets: tuple[int, ...] | None = None
+    prompt_buckets: tuple[int, ...] | None = None
+    dtype: str | None = None
+    speculative: SpeculativeConfig | None = None
+    spec_disable_batch_threshold: int | None = None
+    spec_hysteresis_steps: int = 4
+    spec_policy: str | None = None
+    spec_shapes: tuple[SpeculativeConfig, ...] | None = None
+    spec_calibration_s: float = 20.0
+    spec_calibration_context: int | None = None
+    detect_nan: bool = False
+    long_prompt: str = "error"
+    kernel_impl: str = "auto"
+    time_phases: bool = False
+    prefill_token_budget: int = 512
+    sampled_steps: bool = True
+    cache_align: int | None = None
+    mesh: tuple[int, int] | tuple[int, int, int] | str = (1, 1)
+    draft_sharding: str = "replicated"
+    draft_sync: str = "auto"
+
+    def __post_init__(self):
+        def positive_int(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+
+        for name in ("max_batch", "max_seq_len", "spec_hysteresis_steps", "prefill_token_budget"):
+            positive_int(name)
+        if self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len={self.max_seq_len} must be >= 2 (a prompt token and a new one)")
+        if self.batch_buckets is None:
+            object.__setattr__(self, "batch_buckets", _powers_of_two(1, self.max_batch))
+        if self.prompt_buckets is None:
+            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), self.max_seq_len))
+        for name, top in (("batch_buckets", self.max_batch), ("prompt_buckets", self.max_seq_len)):
+            v = tuple(getattr(self, name))
+            object.__setattr__(self, name, v)
+            if not v or any(not isinstance(x, int) or x < 1 for x in v) or list(v) != sorted(set(v)):
+                raise ConfigError(f"{name}={v!r} must be an increasing tuple of positive integers")
+            if name == "batch_buckets" and v[-1] != top:
+                raise ConfigError(f"{name}={v!r} must end at {top} (the max_batch)")
+            if name == "prompt_buckets" and v[-1] > top:
+                raise ConfigError(f"{name}={v!r} must not go past {top} (the max_seq_len)")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype={self.dtype!r}; valid: None, float32, bfloat16, float16")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative={self.speculative!r} must be a SpeculativeConfig or None")
+        t = self.spec_disable_batch_threshold
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
+        if self.draft_sharding not in DRAFT_SHARDINGS:
+            raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
+        if self.draft_sync not in ("auto",) + DRAFT_SYNC_MODES:
+            raise ConfigError(f"draft_sync={self.draft_sync!r}; valid: auto, {', '.join(DRAFT_SYNC_MODES)}")
+        policy = self.spec_policy
+        if policy is None:  # as the command line picks (see spec_policy)
+            policy = "threshold" if t is not None else "fixed" if self.speculative is not None else "auto"
+            object.__setattr__(self, "spec_policy", policy)
+        if policy not in SPEC_POLICIES:
+            raise ConfigError(f"spec_policy={policy!r}; valid: {', '.join(SPEC_POLICIES)}")
+        if policy in ("fixed", "threshold") and self.speculative is None:
+            object.__setattr__(self, "speculative", default_shape())
+        if policy == "threshold" and t is None:
+            raise ConfigError("spec_policy='threshold' needs spec_disable_batch_threshold (the batch size above which "
+                              "speculation is off)")
+        if policy != "threshold" and t is not None:
+            raise ConfigError(f"spec_disable_batch_threshold goes with spec_policy='threshold', not {policy!r}")
+        if self.spec_shapes is not None:
+            if policy != "auto":
+                raise ConfigError(f"spec_shapes are the candidates of spec_policy='auto', not {policy!r}")
+            shapes = tuple(self.spec_shapes)
+            object.__setattr__(self, "spec_shapes", shapes)
+            if not shapes or not all(isinstance(x, SpeculativeConfig) for x in shapes):
+                raise ConfigError(f"spec_shapes={shapes!r} must be a non-empty tuple of SpeculativeConfig")
+        if not (isinstance(self.spec_calibration_s, (int, float)) and self.spec_calibration_s > 0):
+            raise ConfigError(f"spec_calibration_s={self.spec_calibration_s!r} must be > 0")
+        c = self.spec_calibration_context
+        if c is None:
+            object.__setattr__(self, "spec_calibration_context", self.max_seq_len // 2)
+        elif not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < self.max_seq_len:
+            raise ConfigError(f"spec_calibration_context={c!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
+        if self.long_prompt not in ("error", "truncate"):
+            raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
+        if self.kernel_impl not in ("auto", "kernel", "reference"):
+            raise ConfigError(f"kernel_impl={self.kernel_impl!r}; valid: auto, kernel, reference")
+        if self.cache_align is not None:
+            positive_int("cache_align")
+        if not isinstance(self.sampled_steps, bool):
+            raise ConfigError(f"sampled_steps={self.sampled_steps!r} must be True or False")
+        if not isinstance(self.time_phases, bool):
+            raise ConfigError(f"time_phases={self.time_phases!r} must be True or False")
+        if self.time_phases and policy == "plain":
+            raise ConfigError("time_phases is set but spec_policy='plain' (no draft or verify phase to time)")
+        object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))
+
+
+def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *, has_draft: bool = True) -> SpeculationPolicy:
+    """The policy an ``EngineConfig`` implies (``spec_policy``): the measured cost model
+    (with the model card of the draft in ``draft_dir`` as its prior), the fixed shape,
+    the threshold cutoff, or plain; plain under "auto" when there is no draft."""
+    name = config.spec_policy
+    if name == "plain" or (name == "auto" and not has_draft):
+        return PlainPolicy()
+    if name == "auto":
+        s = config.speculative or SpeculativeConfig()
+        fields = dict(sampling_verify=s.sampling_verify, threshold_single=s.threshold_single, threshold_acc=s.threshold_acc)
+        shapes = config.spec_shapes or parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
+        prior = card_acceptance(draft_dir) if draft_dir is not None else None
+        return AutoPolicy(shapes, prior=prior, hysteresis=config.spec_hysteresis_steps,
+                          calibration_budget_s=config.spec_calibration_s)
+    if name == "fixed":
+        return FixedPolicy(config.speculative)
+    return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)
+
+
+def resolve_draft_sync(mode: str, policy: SpeculationPolicy, devices: int) -> str:
+    """``EngineConfig.draft_sync`` for this policy and mesh: "auto" is deferred where the
+    policy may both run plain steps and speculate (a fixed shape never runs plain: the
+    prompt is all a deferral would move) on a single device, eager otherwise."""
+    if mode != "auto":
+        return mode
+    return "deferred" if policy.runs_plain and policy_shapes(policy) and devices == 1 else "eager"

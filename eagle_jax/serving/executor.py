@@ -1,0 +1,167 @@
+"""The device side of the host loop: the step table's graphs launched on the live state,
+and their results read back as typed values.
+
+The executor owns the batch state (a ``SpecState`` whose rows are the scheduler's slots)
+and never looks inside a request beyond its prompt and sampling settings. A step is
+launched (``InFlight``) and read back a step later (``StepResult``), so the host handles
+one step's tokens while the device runs the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.serving.metrics import EngineMetrics
+from eagle_jax.serving.requests import Request
+from eagle_jax.spec.config import SpeculativeConfig
+from eagle_jax.spec.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step whose results are not read yet."""
+
+    rows: list[Request | None]  # each row's request when the step was launched
+    tokens: jax.Array  # [B, S+1] new tokens per row
+    accepted: jax.Array  # [B] how many of them count
+    finite: jax.Array | None  # [B] logits were finite (with the NaN check)
+    shape: SpeculativeConfig | None  # None: the plain step
+    bucket: int
+    step: int  # steps launched so far, this one included
+    first_tokens: list[tuple[list[Request], jax.Array]]  # prefills launched since the last step
+    steady: bool  # may be timed (see metrics.StepTimings)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's results on the host."""
+
+    rows: list[Request | None]
+    tokens: np.ndarray  # [B, S+1]
+    accepted: np.ndarray  # [B]
+    finite: np.ndarray | None  # [B]
+    shape: SpeculativeConfig | None
+    bucket: int
+    step: int
+    first_tokens: list[tuple[list[Request], np.ndarray]]
+    step_s: float | None  # the step's cost in the loop, when steady; else None
+    ready_at: float  # when the results were on the host (time.perf_counter)
+    wait_s: float  # blocked reading them
+
+
+class Executor:
+    """Launches the step table's graphs on the live state.
+
+    ``time_phases``: speculative steps run as their draft and verify phases, each waited
+    for and timed into ``metrics.draft_s`` / ``verify_s`` (a measuring mode: the syncs cost
+    the host/device overlap)."""
+
+    def __init__(self, table: StepTable, metrics: EngineMetrics, rows: int, time_phases: bool):
+        self.table, self.metrics, self.time_phases = table, metrics, time_phases
+        self.state = table.zeros(rows)
+        self._samp = None  # sampling arrays of the current rows (None: rebuild)
+        self._greedy_only = True
+        self._other_work = False  # device work queued since the last step (not a steady interval)
+        self._last_key = None  # (bucket, shape) of the last step launched
+        self._last_ready: float | None = None
+        self._steps = 0
+        self._first_tokens: list[tuple[list[Request], jax.Array]] = []
+
+    def _launch(self, fn, *args):
+        """Call a compiled graph, counting the time as dispatch, not host work."""
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.metrics.dispatch_s += time.perf_counter() - t
+
+    def rows_changed(self) -> None:
+        """Rows were freed or seated: rebuild the sampling arrays before the next step."""
+        self._samp = None
+
+    def gather(self, rows: Sequence[int]) -> None:
+        """A bucket change: row i of the new state is row ``rows[i]`` of the old."""
+        t = self.table
+        self.state = self._launch(t.gather, self.state, t.device_put_rows(np.asarray(rows, np.int32)))
+        self._other_work = True
+        self._samp = None
+
+    def prefill(self, p_len: int, seated: list[tuple[Request, int]]) -> None:
+        """Prefill ``seated`` requests' prompts (padded to ``p_len``) in one call and insert
+        them at their rows; their first tokens come back with the next step's results."""
+        t, n = self.table, len(seated)
+        tokens = np.zeros((n, p_len), np.int32)
+        lengths = np.zeros(n, np.int32)
+        for i, (req, _) in enumerate(seated):
+            tokens[i, : len(req.prompt)] = req.prompt
+            lengths[i] = len(req.prompt)
+        samp = t.sampling([req.params for req, _ in seated], n)
+        hook = t.device_put_rows(np.stack([req.hook_data for req, _ in seated])) if t.hook_width else None
+        self._other_work = True  # the next step's interval would include this prefill
+        rows_state, first = self._launch(t.prefill, t.device_put_rows(tokens), t.device_put_rows(lengths), samp, hook)
+        rows = t.device_put_rows(np.asarray([row for _, row in seated], np.int32))
+        self.state = self._launch(t.insert, self.state, rows_state, rows)
+        self._samp = None
+        self._first_tokens.append(([req for req, _ in seated], first))
+
+    def _sampling(self, slots: list[Request | None]):
+        if self._samp is None:
+            params = [r.params if r is not None else SamplingParams() for r in slots]
+            self._samp = self.table.sampling(params, len(slots))
+            self._greedy_only = all(p.greedy for p in params)
+        return self._samp
+
+    def step(self, slots: list[Request | None], shape: SpeculativeConfig | None, in_flight: bool) -> InFlight:
+        """Launch one step (plain, or speculative of ``shape``) over every row.
+        ``in_flight``: the previous step's results are not read yet (a steady interval
+        needs it)."""
+        b, samp = len(slots), self._sampling(slots)
+        key = (b, shape)
+        steady = in_flight and not self._other_work and key == self._last_key
+        self._other_work, self._last_key = False, key
+        if shape is not None and self.time_phases:
+            out = self._phased_step(samp, shape)
+        else:
+            out = self._launch(self.table.step, self.state, samp, shape, self._greedy_only)
+        self.state, tokens, accepted, finite = out
+        self._steps += 1
+        firsts, self._first_tokens = self._first_tokens, []
+        return InFlight(list(slots), tokens, accepted, finite, shape, b, self._steps, firsts, steady)
+
+    def _phased_step(self, samp, shape: SpeculativeConfig):
+        """The speculative step as its draft and verify phases, each waited for and timed."""
+        m = self.metrics
+        t = time.perf_counter()
+        jax.block_until_ready(self.state)  # work queued before (prefill, insert, a plain step) is not drafting
+        t0 = time.perf_counter()
+        m.device_wait_s += t0 - t
+        launched = m.dispatch_s
+        state, tree = self._launch(self.table.draft_phase, self.state, samp, shape)
+        self.state = None  # its draft cache was donated
+        jax.block_until_ready((state, tree))
+        t1 = time.perf_counter()
+        out = self._launch(self.table.verify_phase, state, tree, samp, shape, self._greedy_only)
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        m.draft_s += t1 - t0
+        m.verify_s += t2 - t1
+        # The time past the launches was spent waiting for the device.
+        m.device_wait_s += (t2 - t0) - (m.dispatch_s - launched)
+        return out
+
+    def read(self, f: InFlight) -> StepResult:
+        """Wait for ``f``'s results and bring them to the host."""
+        t0 = time.perf_counter()
+        firsts = [(reqs, np.asarray(first)) for reqs, first in f.first_tokens]
+        tokens, accepted = np.asarray(f.tokens), np.asarray(f.accepted)
+        finite = None if f.finite is None else np.asarray(f.finite)
+        now = time.perf_counter()
+        step_s = now - self._last_ready if f.steady and self._last_ready is not None else None
+        self._last_ready = now
+        return StepResult(f.rows, tokens, accepted, finite, f.shape, f.bucket, f.step, firsts, step_s, now, now - t0)
