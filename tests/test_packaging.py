@@ -45,7 +45,8 @@ def test_package_data_covers_every_non_python_file():
     pyproject package-data pattern, so a wheel ships it."""
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     shipped = {str((REPO / pkg / f).relative_to(REPO).as_posix())
-               for pkg, patterns in data.items() for pattern in patterns for f in (REPO / pkg).glob(pattern)}
+               for pkg, patterns in data.items() for pattern in patterns
+               for f in (REPO / pkg.replace(".", "/")).glob(pattern)}
     needed = [f for f in package_files() if not f.endswith(".py")]
     assert any(f.endswith("cpu_attention.cc") for f in needed)
     assert [f for f in needed if f not in shipped] == [], "add these to [tool.setuptools.package-data]"
