@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.models.config import ModelConfig, RopeScaling
 from eagle_jax.kernels.cpu_matmul import matmul
+from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
 from eagle_jax.errors import ConfigError
 from eagle_jax.models.llama import MLP, Attention, KVCache, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 
@@ -257,7 +258,7 @@ class Eagle3MidLayer(nnx.Module):
         self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def __call__(self, emb, hidden, cos, sin, k_cache, v_cache, cache_slots, mask):
+    def __call__(self, emb, hidden, cos, sin, k_cache, v_cache, cache_slots, mask, plan: ExecutionPlan = XLA_PLAN):
         if self.norm_before_residual:
             hidden = self.hidden_norm(hidden)
             residual = hidden
@@ -265,7 +266,7 @@ class Eagle3MidLayer(nnx.Module):
             residual = hidden
             hidden = self.hidden_norm(hidden)
         x = jnp.concatenate([self.input_layernorm(emb), hidden], axis=-1)  # [B, T, 2H]
-        a, k_cache, v_cache = self.self_attn(x, cos, sin, k_cache, v_cache, cache_slots, mask)
+        a, k_cache, v_cache = self.self_attn(x, cos, sin, k_cache, v_cache, cache_slots, mask, plan=plan)
         h = residual + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k_cache, v_cache
@@ -309,6 +310,8 @@ class Eagle3Draft(nnx.Module):
         cache: KVCache,
         cache_slots: Int[Array, "B T"],
         mask: Bool[Array, "B T S"],
+        *,
+        plan: ExecutionPlan = XLA_PLAN,
     ) -> tuple[Float[Array, "B T H"], KVCache]:
         """One draft step over T tokens.
 
@@ -320,6 +323,7 @@ class Eagle3Draft(nnx.Module):
           cache: the draft's one-layer KV cache (S slots); returned updated.
           cache_slots: slot each token's key/value is written to (>= S: not written).
           mask: ``mask[b, t, s]`` True where token t may attend to slot s (after the write).
+          plan: which kernels run (``kernels.plan``; default XLA's own).
 
         Returns:
           (pre-norm output ``[B, T, H]``, the input of the next draft step and of
@@ -331,11 +335,11 @@ class Eagle3Draft(nnx.Module):
             from eagle_jax.models.deepseek import MLACache, rope_tables
 
             cos, sin = rope_tables(positions, cfg.mla)
-            h, lat, pe = self.midlayer(emb, hidden, cos, sin, cache.latent[0], cache.rope_key[0], cache_slots, mask)
+            h, lat, pe = self.midlayer(emb, hidden, cos, sin, cache.latent[0], cache.rope_key[0], cache_slots, mask, plan=plan)
             return h, MLACache(latent=[lat], rope_key=[pe])
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq)
-        h, k, v = self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], cache_slots, mask)
+        h, k, v = self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], cache_slots, mask, plan=plan)
         return h, KVCache(k=[k], v=[v])
 
     def cache_spec(self, batch: int, max_len: int, dtype) -> Any:

@@ -60,10 +60,11 @@ from eagle_jax.serving.policy import (
     policy_shapes,
 )
 from eagle_jax.serving.requests import RequestProgress, check_prompt
-from eagle_jax.runtime.step_table import DRAFT_SHARDINGS, StepTable
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.spec.config import DRAFT_SYNC_MODES
 from eagle_jax.spec.sampling import SamplingParams
-from eagle_jax.runtime.sharding import check_mesh_shape, describe_mesh, make_mesh, spans_processes
+from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape, describe_mesh, make_mesh, spans_processes
 from eagle_jax.spec.config import SpeculativeConfig, default_shape
 from eagle_jax.models.target import TargetModel
 
@@ -240,8 +241,7 @@ class EngineConfig:
         t = self.spec_disable_batch_threshold
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
-        if self.draft_sharding not in DRAFT_SHARDINGS:
-            raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
+        check_draft_sharding(self.draft_sharding)
         if self.draft_sync not in ("auto",) + DRAFT_SYNC_MODES:
             raise ConfigError(f"draft_sync={self.draft_sync!r}; valid: auto, {', '.join(DRAFT_SYNC_MODES)}")
         policy = self.spec_policy
@@ -273,8 +273,7 @@ class EngineConfig:
             raise ConfigError(f"spec_calibration_context={c!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
         if self.long_prompt not in ("error", "truncate"):
             raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
-        if self.kernel_impl not in ("auto", "kernel", "reference"):
-            raise ConfigError(f"kernel_impl={self.kernel_impl!r}; valid: auto, kernel, reference")
+        check_kernel_impl(self.kernel_impl)
         if self.cache_align is not None:
             positive_int("cache_align")
         if not isinstance(self.sampled_steps, bool):
@@ -1035,8 +1034,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         + f"; batch buckets {config.batch_buckets}; prompt buckets {config.prompt_buckets} "
         f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
         f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "
-        f"{_mesh_note(table)}; kernels {table.kernel_path}; verify attention "
-        f"{table.verify_attention_path()}; matrix products: {table.matmul_path}; NaN check {'on' if config.detect_nan else 'off'}"
+        f"{_mesh_note(table)}; {table.plan.describe(table.verify_attention_path())}; "
+        f"NaN check {'on' if config.detect_nan else 'off'}"
         + feature_note
         + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
            if config.time_phases else "")

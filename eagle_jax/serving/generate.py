@@ -18,7 +18,7 @@ from eagle_jax.serving.engine import Completion, Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
 from eagle_jax.serving.requests import check_prompt, normalize_params
-from eagle_jax.runtime.step_table import KERNEL_IMPLS
+from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig
 from eagle_jax.models.target import TargetModel
@@ -132,8 +132,7 @@ class SpeculativeGenerator(_Wrapper):
         buckets: Buckets = Buckets(), max_seq_len: int | None = None, kernel_impl: str = "auto",
     ):
         check_compatible(draft.config, target.config)
-        if kernel_impl not in KERNEL_IMPLS:
-            raise ConfigError(f"kernel_impl={kernel_impl!r}; valid: {', '.join(KERNEL_IMPLS)}")
+        check_kernel_impl(kernel_impl)
         super().__init__(target, tokenizer, buckets, max_seq_len)
         self.draft, self.spec, self.kernel_impl = draft, spec, kernel_impl
 

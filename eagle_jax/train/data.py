@@ -39,6 +39,7 @@ import numpy as np
 from eagle_jax.errors import EagleJaxError, InputError
 from eagle_jax.models.llama import BoundModules, LlamaModel, causal_mask
 from eagle_jax.models.target import init_from_spec
+from eagle_jax.runtime.plan import xla_plan
 from eagle_jax.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -337,6 +338,7 @@ class FeatureSet:
 
 def _forward_fn(target: LlamaModel):
     bound = BoundModules(target)
+    plan = xla_plan()  # XLA's own kernels for this backend (an MoE target picks its formulation by it)
 
     @jax.jit
     def run(params, tokens):
@@ -344,7 +346,7 @@ def _forward_fn(target: LlamaModel):
         b, width = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(width), (b, width))
         cache = init_from_spec(model.cache_spec(b, width))  # any target's cache (the seam)
-        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True)
+        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True, plan=plan)
         return h, feats, jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
 
     return lambda tokens: run(bound.params, tokens)
