@@ -6,7 +6,8 @@ sampling values) with one message that names the field and the value:
 ``max_batch=0 must be an integer >= 1``. ``bool`` is an ``int`` in Python; no integer
 check here accepts ``True`` or ``False``.
 
-- ``is_int(v)``: an ``int`` and not a ``bool``;
+- ``is_int(v)``: an ``int`` and not a ``bool``; ``is_number(v)``: an ``int`` or a
+  ``float`` and not a ``bool``;
 - ``int_at_least(name, v, lo)``, ``positive_int`` (>= 1), ``non_negative_int`` (>= 0);
 - ``int_in(name, v, lo, hi)``: ``lo <= v < hi``;
 - ``one_of(name, v, choices)``: ``v`` is one of ``choices`` (the message lists them);
@@ -29,6 +30,11 @@ T = TypeVar("T")
 def is_int(v: Any) -> bool:
     """An ``int`` and not a ``bool`` (``True`` is an ``int`` to ``isinstance``)."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """An ``int`` or a ``float`` and not a ``bool``."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _message(name: str, v: Any, what: str, or_none: bool, note: str) -> str:

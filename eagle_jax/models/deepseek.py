@@ -49,6 +49,7 @@ from eagle_jax.models.config import RopeScaling, _check_unsupported_fields, defa
 from eagle_jax.errors import ConfigError
 from eagle_jax.models.quant import Int4Weight, QuantConfig
 from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
+from eagle_jax.validate import is_int
 from eagle_jax.models.llama import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, decoder_stack, head_logits, write_rows
 from eagle_jax.models.target import ArraySpec, TargetFamily, register_target
 
@@ -126,7 +127,7 @@ class MLAConfig:
             v = d.get(k)
             if v is None and k == "q_lora_rank":
                 continue
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ConfigError(f"{where}: {k}={v!r} must be a positive integer")
         if d["qk_rope_head_dim"] % 2:
             raise ConfigError(f"{where}: qk_rope_head_dim={d['qk_rope_head_dim']} must be even for RoPE")
@@ -204,11 +205,11 @@ class DeepseekV3Config:
                      "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"config.json: {name}={value!r} must be a positive integer")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+        if self.q_lora_rank is not None and (not is_int(self.q_lora_rank) or self.q_lora_rank <= 0):
             raise ConfigError(f"config.json: q_lora_rank={self.q_lora_rank!r} must be a positive integer or null")
-        if self.n_shared_experts < 0:
+        if not is_int(self.n_shared_experts) or self.n_shared_experts < 0:
             raise ConfigError(f"config.json: n_shared_experts={self.n_shared_experts} must be >= 0")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"config.json: qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
@@ -428,7 +429,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[YarnRope | None, float]:
     if kind != "yarn":
         raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported for DeepSeek-V3; supported: yarn, default")
     orig = rs.get("original_max_position_embeddings")
-    if not isinstance(orig, int) or orig <= 0:
+    if not is_int(orig) or orig <= 0:
         raise ConfigError(f"config.json: rope_scaling.original_max_position_embeddings={orig!r} must be a positive integer")
     factor = rs.get("factor")
     if factor is None:

@@ -27,6 +27,7 @@ from eagle_jax.models.config import ModelConfig, RopeScaling
 from eagle_jax.kernels.cpu_matmul import matmul
 from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
 from eagle_jax.errors import ConfigError
+from eagle_jax.validate import flag, is_int
 from eagle_jax.models.llama import MLP, Attention, KVCache, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 
 # The reference draft vocabulary (EAGLE-3 paper, SpecForge, released Llama 3 drafts).
@@ -95,7 +96,7 @@ class DraftConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"draft {name}={value!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -117,17 +118,16 @@ class DraftConfig:
         if (
             not isinstance(ids, tuple)
             or not ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            or not all(is_int(i) and i >= 0 for i in ids)
         ):
             raise ConfigError(
                 f"draft aux_layer_ids={ids!r} must be a non-empty tuple of target layer ids >= 0"
             )
         for name in ("has_embed_tokens", "norm_before_residual"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"draft {name}={getattr(self, name)!r} must be True or False")
+            flag(f"draft {name}", getattr(self, name))
         n = self.target_num_hidden_layers
         if n is not None:
-            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            if not is_int(n) or n <= 0:
                 raise ConfigError(f"draft target_num_hidden_layers={n!r} must be a positive integer or None")
             if max(ids) > n:
                 raise ConfigError(

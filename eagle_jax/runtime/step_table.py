@@ -65,6 +65,7 @@ from eagle_jax.spec.steps import (
 from eagle_jax.runtime.plan import resolve_plan
 from eagle_jax.runtime.sharding import DRAFT_SHARDINGS, check_draft_sharding  # noqa: F401  (DRAFT_SHARDINGS re-exported)
 from eagle_jax.runtime.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
+from eagle_jax.validate import int_in
 from eagle_jax.models.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
 
 log = logging.getLogger(__name__)
@@ -548,8 +549,7 @@ class StepTable:
         sync), from launch to results ready (what a cost model calibrates on)."""
         from eagle_jax.spec.sampling import SamplingParams
 
-        if not (isinstance(context, int) and 0 <= context < self.max_seq_len):
-            raise ConfigError(f"calibration context={context!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
+        int_in("calibration context", context, 0, self.max_seq_len, hi_text=f"max_seq_len={self.max_seq_len}")
         state = self.zeros(b)
         if context:
             put = lambda: jax.device_put(np.full(b, context, np.int32), state.seq_lens.sharding)  # noqa: E731

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from eagle_jax.models.draft import Eagle3Draft, check_compatible
 from eagle_jax.serving.engine import Completion, Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.validate import is_int
 from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
 from eagle_jax.serving.requests import check_prompt, normalize_params
 from eagle_jax.kernels.plan import check_kernel_impl
@@ -37,7 +38,7 @@ class Buckets:
     def __post_init__(self):
         for name in ("batch", "prompt", "cache"):
             values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v <= 0 for v in values) or list(values) != sorted(set(values)):
+            if not values or any(not is_int(v) or v <= 0 for v in values) or list(values) != sorted(set(values)):
                 raise ConfigError(f"buckets.{name}={values!r} must be a non-empty increasing tuple of positive ints")
 
     @staticmethod

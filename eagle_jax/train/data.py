@@ -41,6 +41,7 @@ from eagle_jax.models.llama import BoundModules, LlamaModel, causal_mask
 from eagle_jax.models.target import init_from_spec
 from eagle_jax.runtime.plan import xla_plan
 from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.validate import is_int
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _parse_conversation(line: str, where: str, vocab_size: int | None) -> Conver
     try:
         obj = json.loads(line)
         rid = obj.get("id")
-        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+        if rid is not None and not (isinstance(rid, str) or is_int(rid)):
             raise TypeError(f"id {rid!r} is not a string or an integer")
         conv = Conversation(
             prompt_ids=[int(t) for t in obj["prompt_ids"]],
