@@ -119,7 +119,8 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
                   max_seq_len=CACHE_LEN, prefill_token_budget=b * PROMPT_LEN, plain=False, sampled=False,
                   cache_align=CACHE_ALIGN)
     t.build()
-    bd, bt = BoundModules(draft, pack=t.packed_matmul), BoundModules(target, pack=t.packed_matmul)
+    pack = t.plan.matmul == "packed"
+    bd, bt = BoundModules(draft, pack=pack), BoundModules(target, pack=pack)
     (dp,), (tp,) = bd.params, bt.params
     samp = SamplingArrays.build([SamplingParams()] * b, b)  # for the phases jitted below
     t_samp = t.sampling([SamplingParams()] * b, b)
@@ -154,21 +155,21 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def j_draft(dp, dcache, st):
-        return draft_tree(draft_of(dp), dcache, st, cfg)
+        return draft_tree(draft_of(dp), dcache, st, cfg, t.plan)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def j_verify(tp, tcache, seq, tree):
-        return verify_tree(target_of(tp), tcache, seq, tree)
+        return verify_tree(target_of(tp), tcache, seq, tree, plan=t.plan)
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def j_accept_commit(logits, tree, seq, tcache, feats):
-        acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=True, kernel_impl="auto")
+        acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=True, plan=t.plan)
         tcache, acc_feats = commit_accepted(tcache, feats, seq, acc_index, acc_len, cfg)
         return tcache, acc_feats, out, acc_len
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def j_extend(dp, dcache, out, acc_feats, seq, acc_len):
-        return _draft_extend(draft_of(dp), dcache, out, acc_feats, seq, acc_len - 1)
+        return _draft_extend(draft_of(dp), dcache, out, acc_feats, seq, acc_len - 1, t.plan)
 
     h = {"d": st.draft_cache, "t": st.target_cache}
     tree, h["d"] = j_draft(dp, h["d"], lite)
@@ -255,7 +256,7 @@ def main():
     chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in QUESTIONS]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M float32; "
           f"random draft, draft vocab {args.draft_vocab}; context {CACHE_LEN}; medians of {args.repeats}")
-    packed, path = cpu_matmul.status()
+    packed, path = cpu_matmul.status(jax.default_backend())
     print(f"matrix products in the steps: {path}")
     body_matmuls = {"path": path}
     for label, pk in (("xla", False), ("packed", True)) if packed else (("xla", False),):

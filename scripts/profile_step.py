@@ -50,7 +50,7 @@ def main() -> None:
                   prompt_buckets=(PROMPT_LEN,), max_seq_len=CACHE_LEN, prefill_token_budget=b * PROMPT_LEN,
                   plain=shape is None, sampled=False, cache_align=1)
     t.build()
-    print(f"matrix products: {t.matmul_path}; verify attention: {t.verify_attention_path()}")
+    print(f"matrix products: {t.plan.matmul_path}; verify attention: {t.verify_attention_path()}")
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, target.config.vocab_size, (b, PROMPT_LEN)).astype(np.int32)
     lengths = np.full(b, PROMPT_LEN // 2, np.int32)

@@ -187,7 +187,7 @@ def tables() -> dict:
             "seq_lens": spec(state.seq_lens),
             "draft_hidden": spec(state.draft_hidden),
             "kernel_impl": t.kernel_impl,
-            "kernel_path": t.kernel_path,
+            "kernel_path": t.plan.kernel_path,
         }
     # The compiled plain step of the target alone (no draft extend): its collectives.
     for mesh in [(1, 8), (2, 4), (1, 1)]:
@@ -201,7 +201,7 @@ def tables() -> dict:
             "counts": {op: len(v) for op, v in ops.items()},
             "all-reduce": [(m.group(1), m.group(2)) for m in re.finditer(r"= (\S+|\(.*?\)) all-reduce\(.*?replica_groups=(\S+ \S+|\S+)", text)],
             "custom_call_targets": sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))),
-            "matmul_path": t.matmul_path,
+            "matmul_path": t.plan.matmul_path,
         }
     base = dict(max_batch=2, max_seq_len=32, prompt_buckets=(16,), sampled_steps=False)
     for key, fn in {
@@ -322,7 +322,7 @@ def kernels() -> dict:
         # The reference inside shard_map: the kernel itself is checked alone, interpreted, in
         # tests/kernels/test_tree_attention.py; Mosaic GPU's interpreter keeps one shared
         # memory for every device of a process and fails when 8 run it at once.
-        f = jax.jit(lambda *a: shard_tree_attention(*a, scale=d ** -0.5, impl="reference"))
+        f = jax.jit(lambda *a: shard_tree_attention(*a, scale=d ** -0.5, impl="reference", mesh=m))
         with jax.set_mesh(m):
             text = f.lower(q, k, v, seq, mask).as_text()
             got = f(q, k, v, seq, mask)

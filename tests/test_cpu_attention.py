@@ -100,13 +100,16 @@ def test_supported_and_env(monkeypatch):
 
 @pytest.mark.parametrize("env", ["auto", "xla"])
 def test_inference_binding_runs_the_kernel_and_only_it(monkeypatch, env):
-    """Packed (step-table) modules attend through the kernel -- its custom call is in the
-    compiled graph -- with the unpacked modules' logits; unpacked modules (training,
-    feature extraction: no gradient through the FFI call) and EAGLE_JAX_CPU_ATTENTION=xla
-    keep XLA's loop."""
+    """Packed (step-table) modules run with the plan the step table resolves on a CPU
+    attend through the kernel -- its custom call is in the compiled graph -- with the
+    unpacked modules' logits; unpacked modules under XLA_PLAN (training, feature
+    extraction: no gradient through the FFI call) and EAGLE_JAX_CPU_ATTENTION=xla keep
+    XLA's loop."""
     from eagle_jax.checkpoint.draft_io import random_draft
     from eagle_jax.models.config import ModelConfig
+    from eagle_jax.kernels.plan import XLA_PLAN
     from eagle_jax.models.llama import BoundModules, KVCache, LlamaModel
+    from eagle_jax.runtime.plan import resolve_plan
 
     monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", env)
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -119,19 +122,23 @@ def test_inference_binding_runs_the_kernel_and_only_it(monkeypatch, env):
     new = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 3)), jnp.int32)
     plens = jnp.asarray([12, 5], jnp.int32)
 
-    def run(bound, params):
+    plan = resolve_plan(backend="cpu")
+    assert plan.matmul == "packed" and plan.prefix_attention == ("cpu" if env == "auto" else "xla")
+
+    def run(bound, params, plan):
         t, _ = bound.modules(params)
         cache = KVCache.zeros(cfg, 2, 32)
         pos0 = jnp.broadcast_to(jnp.arange(12), (2, 12))
-        _, _, cache = t(prompt, pos0, cache, pos0, PrefixMask.causal(jnp.zeros(2, jnp.int32), 12))
+        _, _, cache = t(prompt, pos0, cache, pos0, PrefixMask.causal(jnp.zeros(2, jnp.int32), 12), plan=plan)
         pos = plens[:, None] + jnp.arange(3)[None]
-        h, _, _ = t(new, pos, cache, pos, PrefixMask.causal(plens, 3))
+        h, _, _ = t(new, pos, cache, pos, PrefixMask.causal(plens, 3), plan=plan)
         return t.logits(h)
 
-    plain, packed = BoundModules(target, draft), BoundModules(target, draft, pack=True)
-    hlo = {name: jax.jit(lambda p, b=b: run(b, p)).lower(b.params).as_text() for name, b in (("plain", plain), ("packed", packed))}
+    runs = {"plain": (BoundModules(target, draft), XLA_PLAN), "packed": (BoundModules(target, draft, pack=True), plan)}
+    hlo = {name: jax.jit(lambda p, b=b, pl=pl: run(b, p, pl)).lower(b.params).as_text() for name, (b, pl) in runs.items()}
     assert cpu_matmul.ATTENTION_TARGET not in hlo["plain"]
     assert (cpu_matmul.ATTENTION_TARGET in hlo["packed"]) == (env == "auto")
-    want = np.asarray(jax.jit(lambda p: run(plain, p))(plain.params))
-    got = np.asarray(jax.jit(lambda p: run(packed, p))(packed.params))
+    (plain, _), (packed, _) = runs["plain"], runs["packed"]
+    want = np.asarray(jax.jit(lambda p: run(plain, p, XLA_PLAN))(plain.params))
+    got = np.asarray(jax.jit(lambda p: run(packed, p, plan))(packed.params))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -234,7 +234,7 @@ def test_the_start_up_line_names_the_verify_attention_the_graph_runs(target, dra
 
         def verify(params, cache, tree=tree):
             (tm,) = bound.modules(params)
-            return verify_tree(tm, cache, jnp.asarray([5], jnp.int32), tree)
+            return verify_tree(tm, cache, jnp.asarray([5], jnp.int32), tree, plan=t.plan)
 
         text = jax.jit(verify).lower(bound.params, KVCache.zeros(target.config, 1, 128 + n)).as_text()
         assert (cpu_matmul.ATTENTION_TARGET in text) == on_kernel, shape.shape

@@ -1,6 +1,8 @@
 """Speculative decoding is lossless: greedy output token-identical to plain greedy, sampled
 output distributed as the target's, across chain and tree configs and acceptance regimes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -321,6 +323,7 @@ def test_tree_attention_path_matches_dense_mask(target, draft, prompts):
     the kernel on GPUs) gives the dense-mask XLA path's logits, features and cache."""
     import jax.numpy as jnp
 
+    from eagle_jax.kernels.plan import XLA_PLAN
     from eagle_jax.spec.sampling import SamplingArrays
     from eagle_jax.spec.steps import draft_tree, new_state, prefill_impl, verify_tree
 
@@ -337,7 +340,8 @@ def test_tree_attention_path_matches_dense_mask(target, draft, prompts):
     tree, _ = draft_tree(draft, state.draft_cache, state, cfg)
     assert len(set(np.asarray(tree.depths).ravel().tolist())) > 2  # a real tree, several depths
     dense = verify_tree(target, state.target_cache, state.seq_lens, tree)
-    kernel = verify_tree(target, state.target_cache, state.seq_lens, tree, tree_attention_impl="reference")
+    kernel = verify_tree(target, state.target_cache, state.seq_lens, tree,
+                         plan=dataclasses.replace(XLA_PLAN, tree_attention="reference"))
     for a, k in zip(jax.tree.leaves(dense), jax.tree.leaves(kernel)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(k), atol=2e-5)
 
@@ -433,10 +437,11 @@ def test_deferred_draft_sync_catches_up_to_what_eager_sync_leaves(target, draft,
 
 def test_plain_step_through_the_tree_attention_kernel_matches_the_prefix_path():
     """On GPUs the plain step attends through the tree-attention kernel with a one-slot
-    tree (tree_attention_impl_for); here the kernel runs in Mosaic GPU's interpreter and
+    tree (the plan's tree_attention); here the kernel runs in Mosaic GPU's interpreter and
     must give what the PrefixMask path gives: the same tokens, the same KV written."""
     from flax import nnx
 
+    from eagle_jax.kernels.plan import XLA_PLAN
     from eagle_jax.models.config import ModelConfig
     from eagle_jax.models.llama import LlamaModel
     from eagle_jax.spec.sampling import SamplingArrays
@@ -456,7 +461,7 @@ def test_plain_step_through_the_tree_attention_kernel_matches_the_prefix_path():
         st, out = start, []
         for _ in range(3):
             st, tok, acc, _ = plain_step_impl(target, None, st, samp, greedy_only=True, max_seq_len=128,
-                                              tree_attention_impl=impl)
+                                              plan=dataclasses.replace(XLA_PLAN, tree_attention=impl))
             out.append(np.asarray(tok))
             np.testing.assert_array_equal(acc, 1)
         runs[impl] = (st, np.concatenate(out, 1))

@@ -54,6 +54,7 @@ from eagle_jax.checkpoint.hf import NameMap, read_tensors, resolve_dtype, safete
 from eagle_jax.models.config import ModelConfig, default_feature_layers, read_config_json
 from eagle_jax.models.draft import DraftConfig, Eagle3Draft, check_compatible
 from eagle_jax.errors import CheckpointError, ConfigError
+from eagle_jax.validate import is_int, one_of
 from eagle_jax.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def to_input_layer_ids(
     if (
         not isinstance(ids, (list, tuple))
         or not ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        or not all(is_int(i) and i >= 0 for i in ids)
     ):
         raise ConfigError(f"{source}: {field}={ids!r} must be a non-empty list of layer ids >= 0")
     shift = convention != "input"
@@ -162,10 +163,10 @@ def describe_feature_layers(entering_ids: list[int] | tuple[int, ...], num_layer
     Returns:
       e.g. "entering target layers 2, 15, 27 (default [2, N//2, N-3], N=30)".
     """
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+    if not is_int(num_layers) or num_layers <= 0:
         raise ConfigError(f"num_layers={num_layers!r} must be a positive integer")
     ids = tuple(entering_ids)
-    bad = [i for i in ids if not (isinstance(i, int) and 0 <= i <= num_layers)]
+    bad = [i for i in ids if not (is_int(i) and 0 <= i <= num_layers)]
     if not ids or bad:
         raise ConfigError(f"feature layers {list(ids)} must be non-empty ids in [0, {num_layers}]")
     text = "entering target layers " + ", ".join(map(str, ids))
@@ -515,8 +516,7 @@ def save_draft(draft: Eagle3Draft, path: str | Path, *, dtype: str | None = None
     ``dtype`` ("float32", "float16" or "bfloat16"; None: as held) converts the float
     tensors; a value outside float16's range raises rather than becoming inf.
     """
-    if dtype not in (None, "float32", "float16", "bfloat16"):
-        raise ConfigError(f"save dtype={dtype!r}; valid: None, float32, float16, bfloat16")
+    one_of("save dtype", dtype, (None, "float32", "float16", "bfloat16"))
     path = Path(path)
     cfg = draft.config
     # Built first: a draft whose layers cannot be written must not leave tensors behind.

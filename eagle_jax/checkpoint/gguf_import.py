@@ -34,6 +34,7 @@ import numpy as np
 
 from eagle_jax.models.config import ModelConfig, RopeScaling
 from eagle_jax.errors import CheckpointError, ConfigError
+from eagle_jax.validate import is_int
 
 # GGUF ``general.architecture`` -> Hugging Face architecture class name.
 SUPPORTED_GGUF_ARCHITECTURES = {
@@ -227,7 +228,7 @@ class GGUFMetadata:
                     f"{self.path}: metadata {key!r} varies per layer ({value}); not supported"
                 )
             value = value[0]
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise CheckpointError(f"{self.path}: metadata {key!r}={value!r} is not an integer")
         return value
 

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
+from eagle_jax.validate import int_at_least, is_number, one_of
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape
 
 POLICIES = ("fixed", "threshold", "auto")
@@ -68,15 +69,13 @@ WARMUP_TOKENS = 4
 
 def _int(lo: int) -> Callable[[str, Any], int]:
     def check(field: str, v: Any) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ConfigError(f"{field}={v!r} must be an integer >= {lo}")
-        return v
+        return int_at_least(field, v, lo)
     return check
 
 
 def _float(lo: float, hi: float | None = None, lo_open: bool = False) -> Callable[[str, Any], float]:
     def check(field: str, v: Any) -> float:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        if not is_number(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
             rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
             raise ConfigError(f"{field}={v!r} must be a number in {rng}")
         return float(v)
@@ -85,9 +84,7 @@ def _float(lo: float, hi: float | None = None, lo_open: bool = False) -> Callabl
 
 def _choice(options: tuple[str, ...]) -> Callable[[str, Any], str]:
     def check(field: str, v: Any) -> str:
-        if v not in options:
-            raise ConfigError(f"{field}={v!r}; valid: {', '.join(options)}")
-        return v
+        return one_of(field, v, options)
     return check
 
 

@@ -149,9 +149,9 @@ def mode() -> str:
     return m
 
 
-def status(backend: str | None = None) -> tuple[bool, str]:
-    """(use the packed kernel?, one line saying what the matrix products run on)."""
-    backend = backend or jax.default_backend()
+def status(backend: str) -> tuple[bool, str]:
+    """(use the packed kernel?, one line saying what the matrix products run on) on
+    ``backend`` (``runtime.plan.resolve_plan`` asks, with the backend it resolved)."""
     if backend != "cpu":
         return False, f"XLA dot ({backend})"
     m = mode()
@@ -248,8 +248,9 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- attention
 # The prefix part of decode and verify attention (``cpu_attention.cc``), for the same
-# inference-only step tables that bind packed weights (``model.Attention`` uses it when
-# its projections are packed). ``EAGLE_JAX_CPU_ATTENTION=xla`` keeps XLA's blocked loop.
+# inference-only step tables that bind packed weights (``model.Attention`` uses it where
+# the execution plan says so: ``kernels.plan``). ``EAGLE_JAX_CPU_ATTENTION=xla`` keeps
+# XLA's blocked loop.
 
 ATTENTION_MODES = ("auto", "xla")
 ATTENTION_MAX_QUERIES = 64  # T * G per (row, kv head): the kernel's scratch size
@@ -263,14 +264,20 @@ def attention_mode() -> str:
     return m
 
 
-def prefix_attention_supported(t: int, g: int, d: int, dtype) -> bool:
+def prefix_attention_fits(t: int, g: int, d: int, dtype) -> bool:
     """Whether ``prefix_attention_state`` takes T queries per head, G heads per kv head,
     head dimension D and this cache dtype (float32 only; D a multiple of 16, so of
-    either build's vector width)."""
+    either build's vector width). The shapes only: whether the kernel is used at all is
+    the execution plan's (``kernels.plan``)."""
     return (
-        attention_mode() == "auto" and t * g <= ATTENTION_MAX_QUERIES and d <= ATTENTION_MAX_HEAD_DIM
-        and d % 16 == 0 and jnp.dtype(dtype) == jnp.float32
+        t * g <= ATTENTION_MAX_QUERIES and d <= ATTENTION_MAX_HEAD_DIM and d % 16 == 0
+        and jnp.dtype(dtype) == jnp.float32
     )
+
+
+def prefix_attention_supported(t: int, g: int, d: int, dtype) -> bool:
+    """``prefix_attention_fits`` and ``EAGLE_JAX_CPU_ATTENTION`` leaves the kernel on."""
+    return attention_mode() == "auto" and prefix_attention_fits(t, g, d, dtype)
 
 
 def prefix_attention_state(

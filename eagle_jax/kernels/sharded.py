@@ -1,8 +1,9 @@
 """The Pallas kernels (tree verify, tree sampling, tree attention) under a device mesh.
 
-GSPMD cannot partition a custom call, so a step traced under a mesh of several devices
-(``jax.set_mesh``, as ``runtime.StepTable`` compiles) runs each kernel inside
-``jax.shard_map``: every device calls the kernel on its own block.
+GSPMD cannot partition a custom call, so a step over a mesh of several devices runs each
+kernel inside ``jax.shard_map``: every device calls the kernel on its own block. The mesh
+is the caller's (``mesh=``: the execution plan's, ``kernels.plan.ExecutionPlan.mesh``),
+never read from a global context.
 
 - ``shard_rows``: kernels whose rows are independent (``verify_greedy``,
   ``tree_speculative_sample``). Rows split over ``data`` when it divides them (the
@@ -15,7 +16,7 @@ GSPMD cannot partition a custom call, so a step traced under a mesh of several d
   heads its query heads read (its ``G = Hq / Hkv`` group) before the call. Head counts
   that allow neither run with every head on every device (correct, no faster).
 
-Without a mesh, or on one device, each calls the kernel directly.
+Without a mesh (``mesh=None``), or on one device, each calls the kernel directly.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from jax.sharding import PartitionSpec
 from pallas_kernels.tree_attention import tree_attention
 
 
-def _mesh():
-    """The mesh the step is traced under, or None when there is none of several devices."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.axis_names or math.prod(mesh.shape.values()) == 1:
+def _mesh(mesh):
+    """``mesh``, or None when it is None or of one device."""
+    if mesh is None or not mesh.axis_names or math.prod(mesh.shape.values()) == 1:
         return None
     return mesh
 
@@ -43,10 +43,10 @@ def _rows_axis(mesh, rows: int) -> str | None:
     return "data" if n > 1 and rows % n == 0 else None
 
 
-def shard_rows(fn: Callable, *args):
+def shard_rows(fn: Callable, *args, mesh=None):
     """``fn(*args)``, where every argument and every output leaf has the batch rows on
-    axis 0, per device on its rows (see the module docstring)."""
-    mesh = _mesh()
+    axis 0, per device of ``mesh`` on its rows (see the module docstring)."""
+    mesh = _mesh(mesh)
     if mesh is None:
         return fn(*args)
     axis = _rows_axis(mesh, args[0].shape[0])
@@ -55,7 +55,8 @@ def shard_rows(fn: Callable, *args):
         return PartitionSpec(axis, *([None] * (x.ndim - 1)))
 
     out = jax.eval_shape(fn, *args)
-    return jax.shard_map(fn, in_specs=tuple(map(spec, args)), out_specs=jax.tree.map(spec, out), check_vma=False)(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(map(spec, args)), out_specs=jax.tree.map(spec, out),
+                         check_vma=False)(*args)
 
 
 def kv_slice(hq: int, hkv: int, shards: int) -> tuple[str, int] | None:
@@ -74,15 +75,15 @@ def kv_slice(hq: int, hkv: int, shards: int) -> tuple[str, int] | None:
     return None
 
 
-def shard_tree_attention(q, k_cache, v_cache, seq_lens, tree_mask, *, scale: float, impl: str):
+def shard_tree_attention(q, k_cache, v_cache, seq_lens, tree_mask, *, scale: float, impl: str, mesh=None):
     """``pallas_kernels.tree_attention.tree_attention`` with the same arguments (``q``
     ``[B, T, Hq, D]``, caches ``[B, S, Hkv, D]``, ``seq_lens`` ``[B]``, ``tree_mask``
-    ``[B, T, T]``), per device on its rows and heads (see the module docstring)."""
+    ``[B, T, T]``), per device of ``mesh`` on its rows and heads (see the module docstring)."""
 
     def attend(q, k, v, s, m):
         return tree_attention(q, k, v, s, m, scale=scale, impl=impl)
 
-    mesh = _mesh()
+    mesh = _mesh(mesh)
     if mesh is None:
         return attend(q, k_cache, v_cache, seq_lens, tree_mask)
     rows = _rows_axis(mesh, q.shape[0])
@@ -104,5 +105,5 @@ def shard_tree_attention(q, k_cache, v_cache, seq_lens, tree_mask, *, scale: flo
 
     in_specs = (PartitionSpec(rows, None, heads, None), PartitionSpec(rows, None, kv_heads, None),
                 PartitionSpec(rows, None, kv_heads, None), PartitionSpec(rows), PartitionSpec(rows, None, None))
-    return jax.shard_map(local, in_specs=in_specs, out_specs=PartitionSpec(rows, None, heads, None),
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(rows, None, heads, None),
                          check_vma=False)(q, k_cache, v_cache, seq_lens, tree_mask)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_jax.errors import CheckpointError, ConfigError
+from eagle_jax.validate import is_int
 
 # Architectures whose decoder we implement. Qwen2 adds q/k/v biases, Qwen3 adds q/k
 # RMSNorm; everything else is the Llama decoder.
@@ -61,7 +62,7 @@ def _check_unsupported_fields(d: dict[str, Any]) -> None:
     window = d.get("sliding_window")
     if window is not None and d.get("use_sliding_window", True):
         ctx = d.get("max_position_embeddings", 2048)
-        if not isinstance(window, int) or window < ctx:
+        if not is_int(window) or window < ctx:
             raise ConfigError(
                 f"config.json: sliding_window={window!r} (with use_sliding_window not false) is not supported: "
                 f"this decoder attends over the whole context (max_position_embeddings={ctx}); supported: "
@@ -132,7 +133,7 @@ class ModelConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(

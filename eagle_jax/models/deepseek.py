@@ -48,6 +48,8 @@ from jaxtyping import Array, Bool, Float, Int
 from eagle_jax.models.config import RopeScaling, _check_unsupported_fields, default_feature_layers
 from eagle_jax.errors import ConfigError
 from eagle_jax.models.quant import Int4Weight, QuantConfig
+from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
+from eagle_jax.validate import is_int
 from eagle_jax.models.llama import MLP, Linear, PrefixMask, RMSNorm, TreeAttention, decoder_stack, head_logits, write_rows
 from eagle_jax.models.target import ArraySpec, TargetFamily, register_target
 
@@ -125,7 +127,7 @@ class MLAConfig:
             v = d.get(k)
             if v is None and k == "q_lora_rank":
                 continue
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ConfigError(f"{where}: {k}={v!r} must be a positive integer")
         if d["qk_rope_head_dim"] % 2:
             raise ConfigError(f"{where}: qk_rope_head_dim={d['qk_rope_head_dim']} must be even for RoPE")
@@ -203,11 +205,11 @@ class DeepseekV3Config:
                      "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"config.json: {name}={value!r} must be a positive integer")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+        if self.q_lora_rank is not None and (not is_int(self.q_lora_rank) or self.q_lora_rank <= 0):
             raise ConfigError(f"config.json: q_lora_rank={self.q_lora_rank!r} must be a positive integer or null")
-        if self.n_shared_experts < 0:
+        if not is_int(self.n_shared_experts) or self.n_shared_experts < 0:
             raise ConfigError(f"config.json: n_shared_experts={self.n_shared_experts} must be >= 0")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"config.json: qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
@@ -427,7 +429,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[YarnRope | None, float]:
     if kind != "yarn":
         raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported for DeepSeek-V3; supported: yarn, default")
     orig = rs.get("original_max_position_embeddings")
-    if not isinstance(orig, int) or orig <= 0:
+    if not is_int(orig) or orig <= 0:
         raise ConfigError(f"config.json: rope_scaling.original_max_position_embeddings={orig!r} must be a positive integer")
     factor = rs.get("factor")
     if factor is None:
@@ -613,7 +615,8 @@ class MLAttention(nnx.Module):
         self.cfg = cfg
         self.form = form
 
-    def __call__(self, x, cos, sin, latent_cache, rope_cache, cache_slots, mask, tree=None):
+    def __call__(self, x, cos, sin, latent_cache, rope_cache, cache_slots, mask, tree=None, plan: ExecutionPlan = XLA_PLAN):
+        del plan  # MLA attends in XLA under a dense mask on every plan
         cfg = self.cfg
         b, t, _ = x.shape
         n, nope, rdim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -665,7 +668,7 @@ def route(
     return w * cfg.routed_scaling_factor, idx
 
 
-def moe_impl_for(n_tokens: int, k: int, n_experts: int, backend: str | None = None, int4: bool = False) -> str:
+def moe_impl_for(n_tokens: int, k: int, n_experts: int, backend: str, int4: bool = False) -> str:
     """``gather`` while the (token, choice) pairs are no more than the experts (half the
     experts for INT4 packs, whose unpacking ``gather`` repeats per pair): each pair
     reads one expert's matrices, so decode reads only the experts it uses. Past that,
@@ -676,7 +679,7 @@ def moe_impl_for(n_tokens: int, k: int, n_experts: int, backend: str | None = No
     (``jax.lax.ragged_dot``, a grouped GEMM) on accelerators, unmeasured here."""
     if n_tokens * k <= (n_experts // 2 if int4 else n_experts):
         return "gather"
-    return "blocked" if (backend or jax.default_backend()) == "cpu" else "ragged"
+    return "blocked" if backend == "cpu" else "ragged"
 
 
 ExpertMatrices = Float[Array, "E In Out"] | Int4Weight
@@ -775,16 +778,16 @@ def _blocked(x, w, idx, gate, up, down, e: int, block: int = MOE_BLOCK):
     return jnp.einsum("nkh,nk->nh", y_pairs.reshape(n, k, h), w.astype(y.dtype))
 
 
-def _expert_parallel(x, w, idx, mats, shards: int, impl: str) -> Float[Array, "N H"]:
+def _expert_parallel(x, w, idx, mats, impl: str, plan: ExecutionPlan) -> Float[Array, "N H"]:
     """Experts split over the mesh's ``expert`` axis (``E / shards`` per shard, the
     parameters' "experts" rule): every shard sees every token (activations are
     replicated over ``expert``), runs the (token, choice) pairs routed to its own
     experts, with the others' weights zeroed, and one all-reduce over ``expert`` sums
     the shards. Exact: each pair is computed on exactly one shard. What it saves is
     memory (each device holds its experts only) and expert reads; the formulation
-    inside a shard is chosen for its local expert count."""
+    inside a shard is chosen for its local expert count. The mesh is the plan's."""
     e = (mats[0].packed if isinstance(mats[0], Int4Weight) else mats[0]).shape[0]
-    local_e = e // shards
+    local_e = e // plan.expert_shards
     k = idx.shape[1]
 
     def local(x, w, idx, *mats):
@@ -792,13 +795,14 @@ def _expert_parallel(x, w, idx, mats, shards: int, impl: str) -> Float[Array, "N
         mine = (idx >= first) & (idx < first + local_e)
         li = jnp.where(mine, idx - first, 0)
         lw = jnp.where(mine, w, 0.0)
-        chosen = impl if impl != "auto" else moe_impl_for(x.shape[0], k, local_e, int4=isinstance(mats[0], Int4Weight))
+        chosen = impl if impl != "auto" else moe_impl_for(x.shape[0], k, local_e, plan.backend,
+                                                          int4=isinstance(mats[0], Int4Weight))
         return jax.lax.psum(experts_forward(x, lw, li, *mats, impl=chosen), "expert")
 
     spec = jax.sharding.PartitionSpec
     mat_specs = tuple(Int4Weight(spec("expert"), spec("expert")) if isinstance(m, Int4Weight) else spec("expert")
                       for m in mats)
-    return jax.shard_map(local, in_specs=(spec(), spec(), spec()) + mat_specs, out_specs=spec(),
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec(), spec(), spec()) + mat_specs, out_specs=spec(),
                          axis_names={"expert"}, check_vma=False)(x, w, idx, *mats)
 
 
@@ -837,27 +841,25 @@ class MoE(nnx.Module):
         self.cfg = cfg
         self.impl = impl
 
-    def __call__(self, x: Float[Array, "B T H"]) -> Float[Array, "B T H"]:
+    def __call__(self, x: Float[Array, "B T H"], plan: ExecutionPlan = XLA_PLAN) -> Float[Array, "B T H"]:
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = route(flat, self.gate_weight[...], self.e_score_correction_bias[...], cfg)
         mats = tuple(self._experts(n) for n in ("gate", "up", "down"))
-        mesh = jax.sharding.get_abstract_mesh()
-        shards = mesh.shape.get("expert", 1) if "expert" in mesh.axis_names else 1
-        if shards > 1:
-            y = _expert_parallel(flat, w, idx, mats, shards, self.impl)
+        if plan.expert_shards > 1:  # the plan's mesh splits the experts
+            y = _expert_parallel(flat, w, idx, mats, self.impl, plan)
         else:
-            y = experts_forward(flat, w, idx, *mats, impl=self._impl(flat.shape[0], cfg.n_routed_experts))
+            y = experts_forward(flat, w, idx, *mats, impl=self._impl(flat.shape[0], cfg.n_routed_experts, plan.backend))
         y = y.reshape(shape)
         if self.shared is not None:
             y = y + self.shared(x)
         return y
 
-    def _impl(self, n_tokens: int, n_experts: int) -> str:
+    def _impl(self, n_tokens: int, n_experts: int, backend: str) -> str:
         if self.impl != "auto":
             return self.impl
-        return moe_impl_for(n_tokens, self.cfg.num_experts_per_tok, n_experts, int4=self.int4)
+        return moe_impl_for(n_tokens, self.cfg.num_experts_per_tok, n_experts, backend, int4=self.int4)
 
     def _experts(self, name: str) -> ExpertMatrices:
         if self.int4:
@@ -878,10 +880,11 @@ class DeepseekDecoderLayer(nnx.Module):
             else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         )
 
-    def __call__(self, h, cos, sin, latent, rope_key, cache_slots, mask, tree=None):
+    def __call__(self, h, cos, sin, latent, rope_key, cache_slots, mask, tree=None, plan: ExecutionPlan = XLA_PLAN):
         a, latent, rope_key = self.self_attn(self.input_layernorm(h), cos, sin, latent, rope_key, cache_slots, mask, tree)
         h = h + a
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        h = h + (self.mlp(x, plan) if isinstance(self.mlp, MoE) else self.mlp(x))
         return h, latent, rope_key
 
 
@@ -912,15 +915,17 @@ class DeepseekV3Model(nnx.Module):
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T H"]:
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
-    def __call__(self, tokens, positions, cache: MLACache, cache_slots, mask, *, return_features: bool = False, tree=None):
-        """As ``LlamaModel.__call__`` (the target seam), over an ``MLACache``."""
+    def __call__(self, tokens, positions, cache: MLACache, cache_slots, mask, *, return_features: bool = False, tree=None,
+                 plan: ExecutionPlan = XLA_PLAN):
+        """As ``LlamaModel.__call__`` (the target seam), over an ``MLACache``; ``plan``
+        gives the MoE layers the backend and the mesh whose ``expert`` axis splits them."""
         cfg = self.config
         cos, sin = rope_tables(positions, cfg)
         # MLA attends under a dense mask: built once here, not once per layer.
         dense = dense_mask(mask, tree, tokens.shape[1], cache.latent[0].shape[1])
 
         def run(i, h):
-            h, lat, pe = self.layers[i](h, cos, sin, cache.latent[i], cache.rope_key[i], cache_slots, dense)
+            h, lat, pe = self.layers[i](h, cos, sin, cache.latent[i], cache.rope_key[i], cache_slots, dense, plan=plan)
             return h, (lat, pe)
 
         h, features, c = decoder_stack(self.embed(tokens), cfg.num_hidden_layers, cfg.feature_layer_ids, return_features, run)

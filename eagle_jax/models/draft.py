@@ -25,7 +25,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eagle_jax.models.config import ModelConfig, RopeScaling
 from eagle_jax.kernels.cpu_matmul import matmul
+from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
 from eagle_jax.errors import ConfigError
+from eagle_jax.validate import flag, is_int
 from eagle_jax.models.llama import MLP, Attention, KVCache, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 
 # The reference draft vocabulary (EAGLE-3 paper, SpecForge, released Llama 3 drafts).
@@ -94,7 +96,7 @@ class DraftConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"draft {name}={value!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -116,17 +118,16 @@ class DraftConfig:
         if (
             not isinstance(ids, tuple)
             or not ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            or not all(is_int(i) and i >= 0 for i in ids)
         ):
             raise ConfigError(
                 f"draft aux_layer_ids={ids!r} must be a non-empty tuple of target layer ids >= 0"
             )
         for name in ("has_embed_tokens", "norm_before_residual"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"draft {name}={getattr(self, name)!r} must be True or False")
+            flag(f"draft {name}", getattr(self, name))
         n = self.target_num_hidden_layers
         if n is not None:
-            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            if not is_int(n) or n <= 0:
                 raise ConfigError(f"draft target_num_hidden_layers={n!r} must be a positive integer or None")
             if max(ids) > n:
                 raise ConfigError(
@@ -257,7 +258,7 @@ class Eagle3MidLayer(nnx.Module):
         self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def __call__(self, emb, hidden, cos, sin, k_cache, v_cache, cache_slots, mask):
+    def __call__(self, emb, hidden, cos, sin, k_cache, v_cache, cache_slots, mask, plan: ExecutionPlan = XLA_PLAN):
         if self.norm_before_residual:
             hidden = self.hidden_norm(hidden)
             residual = hidden
@@ -265,7 +266,7 @@ class Eagle3MidLayer(nnx.Module):
             residual = hidden
             hidden = self.hidden_norm(hidden)
         x = jnp.concatenate([self.input_layernorm(emb), hidden], axis=-1)  # [B, T, 2H]
-        a, k_cache, v_cache = self.self_attn(x, cos, sin, k_cache, v_cache, cache_slots, mask)
+        a, k_cache, v_cache = self.self_attn(x, cos, sin, k_cache, v_cache, cache_slots, mask, plan=plan)
         h = residual + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k_cache, v_cache
@@ -309,6 +310,8 @@ class Eagle3Draft(nnx.Module):
         cache: KVCache,
         cache_slots: Int[Array, "B T"],
         mask: Bool[Array, "B T S"],
+        *,
+        plan: ExecutionPlan = XLA_PLAN,
     ) -> tuple[Float[Array, "B T H"], KVCache]:
         """One draft step over T tokens.
 
@@ -320,6 +323,7 @@ class Eagle3Draft(nnx.Module):
           cache: the draft's one-layer KV cache (S slots); returned updated.
           cache_slots: slot each token's key/value is written to (>= S: not written).
           mask: ``mask[b, t, s]`` True where token t may attend to slot s (after the write).
+          plan: which kernels run (``kernels.plan``; default XLA's own).
 
         Returns:
           (pre-norm output ``[B, T, H]``, the input of the next draft step and of
@@ -331,11 +335,11 @@ class Eagle3Draft(nnx.Module):
             from eagle_jax.models.deepseek import MLACache, rope_tables
 
             cos, sin = rope_tables(positions, cfg.mla)
-            h, lat, pe = self.midlayer(emb, hidden, cos, sin, cache.latent[0], cache.rope_key[0], cache_slots, mask)
+            h, lat, pe = self.midlayer(emb, hidden, cos, sin, cache.latent[0], cache.rope_key[0], cache_slots, mask, plan=plan)
             return h, MLACache(latent=[lat], rope_key=[pe])
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq)
-        h, k, v = self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], cache_slots, mask)
+        h, k, v = self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], cache_slots, mask, plan=plan)
         return h, KVCache(k=[k], v=[v])
 
     def cache_spec(self, batch: int, max_len: int, dtype) -> Any:

@@ -13,6 +13,10 @@ Layout choices, measured on a 2-core CPU with JAX 0.12 (SmolLM2 shapes, batch 1)
   transposes the embedding on every call); the loader fills it from the embedding;
 - a step table on a CPU binds the Linear kernels and the head packed into column panels
   (``cpu_matmul``), so a verify forward of a few tokens streams each weight once.
+
+Which attention kernels a forward runs (the CPU prefix-attention kernel, the tree-attention
+kernel under a mesh) is the execution plan's (``plan=``, ``kernels.plan.ExecutionPlan``;
+default ``XLA_PLAN``: XLA's own), never guessed from the parameters or the backend.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from eagle_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from eagle_jax.kernels.cpu_matmul import matmul, pack_params, packed_matmul
 from eagle_jax.kernels.cpu_matmul import prefix_attention_state as cpu_prefix_attention_state
-from eagle_jax.kernels.cpu_matmul import prefix_attention_supported as cpu_prefix_attention_supported
+from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
 from eagle_jax.models.target import ArraySpec, TargetFamily, register_target
 from eagle_jax.kernels.sharded import shard_tree_attention
 
@@ -325,7 +329,7 @@ def prefix_attention(
     ``impl="cpu"`` attends over the prefix with ``cpu_matmul.prefix_attention_state``
     instead of the loop: each row reads only its own prefix (the loop reads every row up
     to the batch's longest), in one pass from the cache layout. Callers check
-    ``cpu_matmul.prefix_attention_supported`` first.
+    ``ExecutionPlan.prefix_attention_for`` first.
     """
     if impl not in ("xla", "cpu"):
         raise ValueError(f"prefix_attention impl={impl!r}; valid: xla, cpu")
@@ -403,6 +407,7 @@ class Attention(nnx.Module):
         cache_slots: Int[Array, "B T"],
         mask: "Bool[Array, 'B T S'] | PrefixMask | StepDiagonalMask | None",
         tree: "TreeAttention | None" = None,
+        plan: ExecutionPlan = XLA_PLAN,
     ):
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -415,16 +420,13 @@ class Attention(nnx.Module):
         k_cache, v_cache = write_rows(k_cache, cache_slots, k), write_rows(v_cache, cache_slots, v)
         scale = 1.0 / math.sqrt(self.head_dim)
         if tree is not None:
-            out = shard_tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl)
+            out = shard_tree_attention(q, k_cache, v_cache, tree.seq_lens, tree.tree_mask, scale=scale, impl=tree.impl,
+                                       mesh=plan.mesh)
         elif isinstance(mask, PrefixMask):
-            # Packed projections mean an inference step table on a CPU with the kernel
-            # library loaded (cpu_matmul.pack_params): its prefix attention goes there too.
-            # A table on a mesh of several devices never packs (GSPMD cannot partition
-            # the FFI calls), so it attends in XLA.
-            on_cpu_kernels = self.q_proj.kernel[...].ndim == 3 and cpu_prefix_attention_supported(
-                t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype
-            )
-            out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale, impl="cpu" if on_cpu_kernels else "xla")
+            # The plan says whether the prefix goes to the CPU kernel (an inference table
+            # on a CPU, one device) and the shape decides whether the kernel takes it.
+            impl = plan.prefix_attention_for(t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype)
+            out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale, impl=impl)
         elif isinstance(mask, StepDiagonalMask):
             out = step_diagonal_attention(q, k_cache, v_cache, mask, scale)
         else:
@@ -450,9 +452,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, cos, sin, k_cache, v_cache, cache_slots, mask, tree=None):
+    def __call__(self, h, cos, sin, k_cache, v_cache, cache_slots, mask, tree=None, plan: ExecutionPlan = XLA_PLAN):
         a, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(h), cos, sin, k_cache, v_cache, cache_slots, mask, tree
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, cache_slots, mask, tree, plan=plan
         )
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
@@ -498,6 +500,7 @@ class LlamaModel(nnx.Module):
         *,
         return_features: bool = False,
         tree: "TreeAttention | None" = None,
+        plan: ExecutionPlan = XLA_PLAN,
     ) -> tuple[Float[Array, "B T H"], Float[Array, "B T F"] | None, KVCache]:
         """Run T new tokens per sequence against the cache.
 
@@ -513,6 +516,7 @@ class LlamaModel(nnx.Module):
             concatenated low..high (``F = len(feature_layer_ids) * H``).
           tree: for a verify forward, attend with the tree-attention kernel instead of
             ``mask`` (the tokens must sit at slots ``seq_len + t``; see ``TreeAttention``).
+          plan: which kernels run (``kernels.plan``; default XLA's own).
 
         Returns:
           (final normed hidden ``[B, T, H]``, features or None, updated cache).
@@ -521,7 +525,7 @@ class LlamaModel(nnx.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
         def run(i, h):
-            h, k, v = self.layers[i](h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask, tree)
+            h, k, v = self.layers[i](h, cos, sin, cache.k[i], cache.v[i], cache_slots, mask, tree, plan=plan)
             return h, (k, v)
 
         h, features, kv = decoder_stack(self.embed(tokens), cfg.num_hidden_layers, cfg.feature_layer_ids, return_features, run)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eagle_jax.errors import ConfigError
+from eagle_jax.validate import is_int
 
 BITS = 4
 PER_WORD = 32 // BITS  # values per int32 word
@@ -155,7 +156,7 @@ def _weight_args(a: Any, w: str) -> int | None:
     if strategy == "channel":
         return None
     g = a.get("group_size")
-    if not isinstance(g, int) or isinstance(g, bool) or g <= 0 or g % PER_WORD:
+    if not is_int(g) or g <= 0 or g % PER_WORD:
         raise ConfigError(f"{w}.group_size={g!r} must be a positive multiple of {PER_WORD}")
     return g
 

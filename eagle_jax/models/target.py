@@ -8,9 +8,10 @@ A target is an NNX module with:
   ``max_position_embeddings``, ``eos_token_ids``, ``feature_layer_ids``, ``architecture``);
 - ``dtype``: the compute dtype;
 - ``__call__(tokens [B, T], positions [B, T], cache, cache_slots [B, T], mask [B, T, S] | None,
-  *, return_features, tree)`` -> ``(hidden [B, T, H], features [B, T, F] | None, cache)``:
+  *, return_features, tree, plan)`` -> ``(hidden [B, T, H], features [B, T, F] | None, cache)``:
   one forward for prefill, decode and tree verification, writing the new tokens' cache
-  entries at ``cache_slots`` (slots past the end are dropped);
+  entries at ``cache_slots`` (slots past the end are dropped), with the kernels the
+  execution plan names (``kernels.plan``; default ``XLA_PLAN``);
 - ``logits(hidden [..., H])`` -> ``[..., V]`` float32;
 - ``cache_spec(batch, max_len)``: the *abstract* cache, a pytree of ``ArraySpec`` (shape,
   dtype, logical axes). Zero-initialisation, sharding and the step table's shapes all
@@ -122,7 +123,8 @@ class TargetModel(Protocol):
     config: Any
     dtype: Any
 
-    def __call__(self, tokens, positions, cache, cache_slots, mask, *, return_features: bool = False, tree=None): ...
+    def __call__(self, tokens, positions, cache, cache_slots, mask, *, return_features: bool = False, tree=None,
+                 plan=None): ...  # plan: a kernels.plan.ExecutionPlan (each family defaults to XLA_PLAN)
 
     def logits(self, hidden): ...
 

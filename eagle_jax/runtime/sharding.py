@@ -48,6 +48,7 @@ from jax.sharding import AxisType, Mesh
 
 from eagle_jax.errors import ConfigError
 from eagle_jax.models.target import DEFAULT_AXIS_RULES
+from eagle_jax.validate import is_int, one_of
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def check_mesh_shape(value) -> MeshShape:
     if isinstance(value, str):
         return parse_mesh(value)
     if (isinstance(value, (tuple, list)) and len(value) in (2, 3)
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+            and all(is_int(v) and v >= 1 for v in value)):
         return _canonical(*mesh_sizes(tuple(value)))
     raise ConfigError(
         f"mesh={value!r} must be (data, model) or (data, expert, model) positive integers, 'auto' or 'data=D,model=M'"
@@ -103,6 +104,16 @@ def check_mesh_shape(value) -> MeshShape:
 def describe_mesh(mesh: Mesh) -> str:
     expert = mesh.shape.get("expert", 1)
     return f"data={mesh.shape['data']}," + (f"expert={expert}," if expert > 1 else "") + f"model={mesh.shape['model']}"
+
+
+# How the draft is placed on the mesh (``EngineConfig.draft_sharding``, ``StepTable``):
+# whole on every device (its rows on "data"), or split over "model" like the target.
+DRAFT_SHARDINGS = ("replicated", "model")
+
+
+def check_draft_sharding(value) -> str:
+    """``draft_sharding``: "replicated" or "model" (a ``ConfigError`` otherwise)."""
+    return one_of("draft_sharding", value, DRAFT_SHARDINGS)
 
 
 # The environment variables ``initialize_distributed`` reads where no flag is given (JAX

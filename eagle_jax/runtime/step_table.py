@@ -24,7 +24,8 @@ hidden dims replicated). Parameters are placed with those shardings, in and out
 shardings are pinned on every graph and GSPMD partitions the rest. The draft runs
 replicated over "model" (see ``__init__``). Under a mesh of several devices the Pallas
 kernels run inside shard_map (custom calls cannot be partitioned by GSPMD;
-``eagle_jax.kernels.sharded``) and the CPU FFI kernels are off.
+``eagle_jax.kernels.sharded``) and the CPU FFI kernels are off: the execution plan
+(``self.plan``, ``kernels.plan``) says which kernels every graph runs.
 
 Calling a key that was not built raises ``CompileAfterBuildError``, and a built graph is
 a ``Compiled`` executable, which refuses arguments of other shapes instead of
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eagle_jax.kernels import cpu_matmul
+from eagle_jax.kernels.plan import KERNEL_IMPLS, TREE_ATTENTION_BLOCK  # noqa: F401  (re-exported)
 from eagle_jax.models.draft import Eagle3Draft
 from eagle_jax.errors import ConfigError, EagleJaxError
 from eagle_jax.models.llama import BoundModules
@@ -59,20 +60,15 @@ from eagle_jax.spec.steps import (
     prefill_impl,
     speculative_step_impl,
     state_spec,
-    tree_attention_impl_for,
     verify_phase_impl,
 )
+from eagle_jax.runtime.plan import resolve_plan
+from eagle_jax.runtime.sharding import DRAFT_SHARDINGS, check_draft_sharding  # noqa: F401  (DRAFT_SHARDINGS re-exported)
 from eagle_jax.runtime.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
+from eagle_jax.validate import int_in
 from eagle_jax.models.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
 
 log = logging.getLogger(__name__)
-
-KERNEL_IMPLS = ("auto", "kernel", "reference")
-# The tree-attention kernel tiles the cache in blocks of this many slots (its default
-# block_k); only a cache whose length is a multiple of it can take the kernel
-# (pallas_kernels.tree_attention.select_tree_attention_path), so GPU tables round up.
-TREE_ATTENTION_BLOCK = 64
-
 
 class CompileAfterBuildError(EagleJaxError):
     """A graph was asked for that the step table did not compile at start-up."""
@@ -152,9 +148,6 @@ class BuildReport:
                          f"compile {t.compile_s:.1f}{', cached' if t.cache_hit else ''})" for t in top)
 
 
-DRAFT_SHARDINGS = ("replicated", "model")
-
-
 class StepTable:
     """Every compiled graph for one (target, draft) pair and one set of static shapes.
 
@@ -167,14 +160,15 @@ class StepTable:
       max_seq_len: context of one request (prompt + new tokens).
       prefill_token_budget: prefill batches up to this many padded tokens (see
         ``default_prefill_batches``).
-      kernel_impl: verification kernels, "auto" / "kernel" / "reference".
+      kernel_impl: verification kernels, "auto" / "kernel" / "reference" (the execution
+        plan, ``self.plan``, is resolved from it, the backend and the mesh).
       check_finite: steps also return per-row "logits were finite" flags.
       time_phases: speculative steps as two graphs (draft phase, verify phase).
       tree_hook: a draft hook traced into speculative steps (the oracle; None in serving).
       hook_width: columns of ``state.hook_data`` the hook reads (0: no hook data).
       mesh: the device mesh, axes data and model (default: one device;
         ``sharding.make_mesh``). On more than one device the Pallas kernels run under
-        shard_map (``kernel_path`` says so) and the CPU FFI kernels are off.
+        shard_map (``plan.kernel_path`` says so) and the CPU FFI kernels are off.
       cache_align: round the target cache length up to a multiple of this (default: the
         tree-attention kernel's block on GPUs, so the kernel applies; 1 on CPU).
       plain: compile the plain step (a policy that never runs it need not).
@@ -197,8 +191,6 @@ class StepTable:
         shapes = tuple(dict.fromkeys(shapes))  # unique, in order
         if shapes and draft is None:
             raise ConfigError("speculative shapes were given but there is no draft")
-        if kernel_impl not in KERNEL_IMPLS:
-            raise ConfigError(f"kernel_impl={kernel_impl!r}; valid: {', '.join(KERNEL_IMPLS)}")
         if time_phases and not shapes:
             raise ConfigError("time_phases needs at least one speculative shape")
         if (tree_hook is None) != (hook_width == 0):
@@ -223,39 +215,25 @@ class StepTable:
         self.tree_hook, self.hook_width = tree_hook, hook_width
         self.mesh = mesh or default_mesh()
         self.multi_process = spans_processes(self.mesh)
-        self.backend = jax.default_backend()
-        # The Pallas kernels (verify, sampling, tree attention) are custom calls, which
-        # GSPMD cannot partition; under a mesh of several devices each runs inside
-        # shard_map on its device's rows and heads (eagle_jax.kernels.sharded).
-        # ``kernel_impl`` is what the graphs use, ``kernel_path`` says so (start-up line).
+        # Which kernels every graph runs, decided once (runtime.plan.resolve_plan, by the
+        # rules in kernels.plan) and passed to each (plan=): the verify kernels and tree
+        # attention by backend and kernel_impl, the CPU FFI kernels where they build on one
+        # device, the Pallas kernels under shard_map over a mesh of several devices.
+        self.plan = resolve_plan(kernel_impl=kernel_impl, mesh=self.mesh)
         self.kernel_impl = kernel_impl
-        self.kernel_path = (f"{kernel_impl} (Pallas kernels under shard_map over {self.mesh.size} devices)"
-                            if self.mesh.size > 1 and kernel_impl != "reference" else kernel_impl)
-        self.cache_align = cache_align or (TREE_ATTENTION_BLOCK if self.backend == "gpu" else 1)
+        self.cache_align = cache_align or self.plan.cache_align
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
         }
-        # On a CPU the weight products run through the packed-weight kernel when it builds
-        # (cpu_matmul: XLA's GEMM re-packs the weights on every few-row product).
-        self.packed_matmul, self.matmul_path = cpu_matmul.status(self.backend)
-        if self.packed_matmul and self.mesh.size > 1:
-            # GSPMD cannot partition a custom call: a sharded table needs it under shard_map.
-            # Unpacked projections also keep model.Attention off the prefix-attention FFI
-            # kernel (it is used only with packed projections): all of it runs in XLA.
-            self.packed_matmul, self.matmul_path = False, (
-                f"XLA dot and prefix attention in XLA (the CPU kernels are single-device; mesh of {self.mesh.size})")
-        self._bound = BoundModules(target, draft, pack=self.packed_matmul)
-        if self.packed_matmul:
-            self.matmul_path += f", {self._bound.packed} matrices packed"
+        self._bound = BoundModules(target, draft, pack=self.plan.matmul == "packed")
+        self.plan = dataclasses.replace(self.plan, packed=self._bound.packed)
         # Sharding rules: the target's from its sizes (a ConfigError when the mesh does not
         # fit it; KV heads replicated where they do not divide "model"). The draft runs
         # replicated over "model" by default (its rows on "data"): one small layer run S
         # times per step, where tensor parallelism adds two all-reduces per draft step
         # plus a vocabulary-wide top-k across shards; draft_sharding="model" splits it
         # (scripts/bench_draft_sharding.py times both on the devices at hand).
-        if draft_sharding not in DRAFT_SHARDINGS:
-            raise ConfigError(f"draft_sharding={draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
-        self.draft_sharding = draft_sharding
+        self.draft_sharding = check_draft_sharding(draft_sharding)
         self.rules = model_axis_rules(target.axis_sizes(), self.mesh, what="target")
         self.draft_rules = (model_axis_rules(draft.axis_sizes(), self.mesh, what="draft")
                             if draft is not None and draft_sharding == "model" else replicated_rules(self.rules))
@@ -316,43 +294,12 @@ class StepTable:
         return jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0].shape[1]
 
     def verify_attention_path(self) -> str:
-        """How verify forwards attend in this table's graphs, and why (for the start-up log).
-
-        Off the GPU kernel (a CPU, ``kernel_impl="reference"``) a Llama-family
-        verify forward attends through ``model.prefix_attention``: the T tree tokens among
-        themselves (ancestor mask) in XLA, and the cached prefix in the CPU attention
-        kernel where the table packed its weights and the kernel takes the shape (T * G
-        queries per KV head), else in XLA block by block. On GPUs
-        ``pallas_kernels.tree_attention`` picks the kernel or its XLA reference by
-        ``select_tree_attention_path``, here asked with the table's real cache shape."""
-        gpu_kernels = tree_attention_impl_for(self.kernel_impl) is not None and self.backend == "gpu"
-        if not self.shapes and not (gpu_kernels and self.plain):
-            return "no verify (plain only)"
-        cfg = self.target.config
+        """How verify forwards attend in this table's graphs, and why (for the start-up
+        log): ``ExecutionPlan.verify_attention`` with the table's shapes and its real cache
+        shape, by the same rule the forwards follow."""
         leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
-        if len(leaf.shape) != 4:  # not a [B, S, KV, D] cache: neither kernel applies
-            return f"XLA (cache leaves of shape {leaf.shape} are not [B, S, KV, D])"
-        if self.backend != "gpu" or self.kernel_impl == "reference":
-            why = self.backend if self.backend != "gpu" else "kernel_impl=reference"
-            g = cfg.num_attention_heads // cfg.num_key_value_heads
-            paths = {}
-            for shape in self.shapes:
-                t = shape.num_draft_tokens
-                on_kernel = self._bound.packed > 0 and cpu_matmul.prefix_attention_supported(t, g, leaf.shape[3], leaf.dtype)
-                paths[shape.shape] = ("prefix in the CPU attention kernel" if on_kernel
-                                      else "prefix in XLA block by block")
-            return (f"tree block in XLA, " + "; ".join(f"{k}: {v}" for k, v in paths.items()) + f" ({why})")
-        from pallas_kernels.tree_attention import select_tree_attention_path
-
-        cc = getattr(jax.devices()[0], "compute_capability", None)
-        paths = {}
-        # The plain step attends through the same kernel with a one-slot tree.
-        widths = ([("plain step", 1)] if self.plain else []) + [(s.shape, s.num_draft_tokens) for s in self.shapes]
-        for name, t in widths:
-            q = (leaf.shape[0], t, cfg.num_attention_heads, leaf.shape[3])
-            path, why = select_tree_attention_path("auto", self.backend, q, leaf.shape, leaf.dtype, compute_capability=cc)
-            paths[name] = f"{'Pallas tree-attention kernel' if path == 'kernel' else 'XLA reference'} ({why})"
-        return "; ".join(f"{k}: {v}" for k, v in paths.items())
+        return self.plan.verify_attention(self.target.config.num_attention_heads, leaf.shape, leaf.dtype,
+                                          [(s.shape, s.num_draft_tokens) for s in self.shapes], self.plain)
 
     # -- graph definitions
 
@@ -377,7 +324,7 @@ class StepTable:
                     state = init_from_spec(self._specs[n])
                     if hook_data is not None:
                         state = dataclasses.replace(state, hook_data=hook_data)
-                    return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False)
+                    return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False, plan=self.plan)
 
                 _, sh = self._structs(n)
                 hd = self._int_struct(n, self.hook_width) if self.hook_width else None
@@ -416,7 +363,7 @@ class StepTable:
                     def draft_phase(params, dcache, state, samp, shape=shape):
                         t, d = self._modules(params)
                         return draft_phase_impl(t, d, dataclasses.replace(state, draft_cache=dcache), samp, cfg=shape, tree_hook=hook,
-                                                sync=self.draft_sync)
+                                                sync=self.draft_sync, plan=self.plan)
 
                     rest = dataclasses.replace(st, draft_cache=None)
                     rest_sh = dataclasses.replace(sh, draft_cache=None)
@@ -431,8 +378,7 @@ class StepTable:
                     if shape is None:
                         def plain(params, state, samp, kw=kw):
                             t, d = self._modules(params)
-                            return plain_step_impl(t, d, state, samp, check_finite=self.check_finite,
-                                                   tree_attention_impl=tree_attention_impl_for(self.kernel_impl), **kw)
+                            return plain_step_impl(t, d, state, samp, check_finite=self.check_finite, plan=self.plan, **kw)
 
                         jobs.append((f"plain step batch {b} {how}", ("step", b, None, greedy),
                                      self._thunk(plain, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))
@@ -440,7 +386,7 @@ class StepTable:
                         def verify_phase(params, state, tree, samp, shape=shape, kw=kw):
                             t, d = self._modules(params)
                             return verify_phase_impl(t, d, state, tree, state.draft_cache, samp, cfg=shape,
-                                                     kernel_impl=self.kernel_impl, check_finite=self.check_finite, **kw)
+                                                     plan=self.plan, check_finite=self.check_finite, **kw)
 
                         tree_struct = self._tree_struct(b, shape)
                         jobs.append((f"verify phase batch {b} {shape.shape} {how}", ("verify", b, shape, greedy),
@@ -449,7 +395,7 @@ class StepTable:
                     else:
                         def spec_step(params, state, samp, shape=shape, kw=kw):
                             t, d = self._modules(params)
-                            return speculative_step_impl(t, d, state, samp, cfg=shape, kernel_impl=self.kernel_impl,
+                            return speculative_step_impl(t, d, state, samp, cfg=shape, plan=self.plan,
                                                          check_finite=self.check_finite, tree_hook=hook,
                                                          sync=self.draft_sync, **kw)
 
@@ -467,8 +413,8 @@ class StepTable:
 
     def _thunk(self, fn, in_sh, out_sh, donate, args):
         def compile_(timing: list | None = None):
-            # Traced under the mesh: a module that runs part of itself under shard_map
-            # (expert-parallel MoE) reads the axes from jax.sharding.get_abstract_mesh().
+            # Traced under the mesh (the parts that run under shard_map take it from the
+            # plan, ``self.plan.mesh``: the same mesh).
             with jax.set_mesh(self.mesh):
                 t0 = time.perf_counter()
                 traced = self._jit(fn, in_sh, out_sh, donate).trace(*args)
@@ -603,8 +549,7 @@ class StepTable:
         sync), from launch to results ready (what a cost model calibrates on)."""
         from eagle_jax.spec.sampling import SamplingParams
 
-        if not (isinstance(context, int) and 0 <= context < self.max_seq_len):
-            raise ConfigError(f"calibration context={context!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
+        int_in("calibration context", context, 0, self.max_seq_len, hi_text=f"max_seq_len={self.max_seq_len}")
         state = self.zeros(b)
         if context:
             put = lambda: jax.device_put(np.full(b, context, np.int32), state.seq_lens.sharding)  # noqa: E731

@@ -8,8 +8,8 @@ import dataclasses
 from pathlib import Path
 
 from eagle_jax.errors import ConfigError
-from eagle_jax.runtime.sharding import check_mesh_shape
-from eagle_jax.runtime.step_table import DRAFT_SHARDINGS
+from eagle_jax.kernels.plan import check_kernel_impl
+from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
 from eagle_jax.serving.policy import (
     DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
     policy_shapes,
@@ -161,8 +161,7 @@ class EngineConfig:
         t = self.spec_disable_batch_threshold
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
-        if self.draft_sharding not in DRAFT_SHARDINGS:
-            raise ConfigError(f"draft_sharding={self.draft_sharding!r}; valid: {', '.join(DRAFT_SHARDINGS)}")
+        check_draft_sharding(self.draft_sharding)
         if self.draft_sync not in ("auto",) + DRAFT_SYNC_MODES:
             raise ConfigError(f"draft_sync={self.draft_sync!r}; valid: auto, {', '.join(DRAFT_SYNC_MODES)}")
         policy = self.spec_policy
@@ -194,8 +193,7 @@ class EngineConfig:
             raise ConfigError(f"spec_calibration_context={c!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
         if self.long_prompt not in ("error", "truncate"):
             raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
-        if self.kernel_impl not in ("auto", "kernel", "reference"):
-            raise ConfigError(f"kernel_impl={self.kernel_impl!r}; valid: auto, kernel, reference")
+        check_kernel_impl(self.kernel_impl)
         if self.cache_align is not None:
             positive_int("cache_align")
         if not isinstance(self.sampled_steps, bool):

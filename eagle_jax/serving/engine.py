@@ -438,8 +438,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         + f"; batch buckets {config.batch_buckets}; prompt buckets {config.prompt_buckets} "
         f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
         f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "
-        f"{_mesh_note(table)}; kernels {table.kernel_path}; verify attention "
-        f"{table.verify_attention_path()}; matrix products: {table.matmul_path}; NaN check {'on' if config.detect_nan else 'off'}"
+        f"{_mesh_note(table)}; {table.plan.describe(table.verify_attention_path())}; "
+        f"NaN check {'on' if config.detect_nan else 'off'}"
         + feature_note
         + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
            if config.time_phases else "")

@@ -16,9 +16,10 @@ from typing import Callable, Sequence
 from eagle_jax.models.draft import Eagle3Draft, check_compatible
 from eagle_jax.serving.engine import Completion, Engine, EngineConfig
 from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.validate import is_int
 from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
 from eagle_jax.serving.requests import check_prompt, normalize_params
-from eagle_jax.runtime.step_table import KERNEL_IMPLS
+from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig
 from eagle_jax.models.target import TargetModel
@@ -37,7 +38,7 @@ class Buckets:
     def __post_init__(self):
         for name in ("batch", "prompt", "cache"):
             values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v <= 0 for v in values) or list(values) != sorted(set(values)):
+            if not values or any(not is_int(v) or v <= 0 for v in values) or list(values) != sorted(set(values)):
                 raise ConfigError(f"buckets.{name}={values!r} must be a non-empty increasing tuple of positive ints")
 
     @staticmethod
@@ -132,8 +133,7 @@ class SpeculativeGenerator(_Wrapper):
         buckets: Buckets = Buckets(), max_seq_len: int | None = None, kernel_impl: str = "auto",
     ):
         check_compatible(draft.config, target.config)
-        if kernel_impl not in KERNEL_IMPLS:
-            raise ConfigError(f"kernel_impl={kernel_impl!r}; valid: {', '.join(KERNEL_IMPLS)}")
+        check_kernel_impl(kernel_impl)
         super().__init__(target, tokenizer, buckets, max_seq_len)
         self.draft, self.spec, self.kernel_impl = draft, spec, kernel_impl
 

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.validate import is_int, non_negative_int, optional, positive_int
 from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 
 log = logging.getLogger(__name__)
@@ -116,10 +117,8 @@ class ThresholdPolicy(SpeculationPolicy):
     def __init__(self, shape: SpeculativeConfig, threshold: int | None, hysteresis: int = 4):
         if not isinstance(shape, SpeculativeConfig):
             raise ConfigError(f"ThresholdPolicy needs a SpeculativeConfig, got {type(shape).__name__}")
-        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
-            raise ConfigError(f"threshold={threshold!r} must be an integer >= 0 or None")
-        if not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ConfigError(f"hysteresis={hysteresis!r} must be an integer >= 1")
+        optional(non_negative_int, "threshold", threshold)
+        positive_int("hysteresis", hysteresis)
         self.shape, self.threshold, self.hysteresis = shape, threshold, hysteresis
         self.shapes = (shape,)
         self.runs_plain = threshold is not None
@@ -307,11 +306,10 @@ class AutoPolicy(SpeculationPolicy):
             raise ConfigError(f"margin={margin!r} must be in [0, 1)")
         for name, v in (("hysteresis", hysteresis), ("explore_every", explore_every), ("calibration_rounds", calibration_rounds),
                         ("probe_steps", probe_steps)):
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+            positive_int(name, v)
         if explore_max is None:  # 16 doublings' worth of the default gap, or no back-off past a longer one
             explore_max = max(256, explore_every)
-        if not isinstance(explore_max, int) or explore_max < explore_every:
+        if not is_int(explore_max) or explore_max < explore_every:
             raise ConfigError(f"explore_max={explore_max!r} must be an integer >= explore_every={explore_every}")
         if not calibration_budget_s > 0:
             raise ConfigError(f"calibration_budget_s={calibration_budget_s!r} must be > 0")

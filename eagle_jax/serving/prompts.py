@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eagle_jax.errors import InputError
+from eagle_jax.validate import is_int
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
 
@@ -64,7 +65,7 @@ def parse_record(obj: Any, where: str, default_id: Any, line: int | None = None)
     if has_prompt == has_messages:
         raise InputError(f"{where}: give exactly one of 'prompt' or 'messages'")
     rid = obj.get("id", default_id)
-    if not isinstance(rid, (str, int)):
+    if not (isinstance(rid, str) or is_int(rid)):
         raise InputError(f"{where}: 'id' must be a string or an integer")
     if has_prompt:
         if not isinstance(obj["prompt"], str):

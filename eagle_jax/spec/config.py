@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 from eagle_jax.errors import ConfigError
+from eagle_jax.validate import is_int, is_number, one_of, positive_int
 
 # How sampled (temperature > 0) requests are verified; both are exact at thresholds 1.
 #  "coupled": each tree slot's next token is drawn from the target with the uniform of its
@@ -39,17 +40,14 @@ class SpeculativeConfig:
     sampling_verify: str = "coupled"
 
     def __post_init__(self):
-        if self.sampling_verify not in SAMPLING_VERIFY:
-            raise ConfigError(f"sampling_verify={self.sampling_verify!r}; valid: {', '.join(SAMPLING_VERIFY)}")
+        one_of("sampling_verify", self.sampling_verify, SAMPLING_VERIFY)
         if self.sampling_verify == "coupled" and (self.threshold_single != 1 or self.threshold_acc != 1):
             raise ConfigError(
                 f"threshold_single={self.threshold_single}, threshold_acc={self.threshold_acc}: the thresholds "
                 "relax SGLang's rejection sampling; set sampling_verify='rejection' to use them"
             )
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ConfigError(f"num_steps={self.num_steps!r} must be an integer >= 1")
-        if not isinstance(self.topk, int) or self.topk < 1:
-            raise ConfigError(f"topk={self.topk!r} must be an integer >= 1")
+        positive_int("num_steps", self.num_steps)
+        positive_int("topk", self.topk)
         t = self.num_draft_tokens
         if self.topk == 1:
             if t is not None and t != self.num_steps + 1:
@@ -59,14 +57,14 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
         else:
             most = self.max_draft_tokens(self.num_steps, self.topk)
-            if not isinstance(t, int) or not 2 <= t <= most:
+            if not is_int(t) or not 2 <= t <= most:
                 raise ConfigError(
                     f"num_draft_tokens={t!r} with topk={self.topk}, num_steps={self.num_steps} must be an "
                     f"integer in [2, {most}] (root + at most k + (S-1)k^2 candidates)"
                 )
         for name in ("threshold_single", "threshold_acc"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+            if not is_number(v) or not 0 < v <= 1:
                 raise ConfigError(f"{name}={v!r} must be in (0, 1] (1 = exact)")
 
     @staticmethod

@@ -73,7 +73,7 @@ def reference_step(target: TargetModel, draft: Eagle3Draft, state: SpecState, sa
     #    argmax after its parent. The accepted guesses plus the target's own next token
     #    after the last of them (the "bonus") are emitted, so a step emits >= 1 token,
     #    exactly what plain greedy decoding would have produced.
-    accept_index, accept_length, out = accept_tree(logits, tree, seq, samp, shape, greedy_only=True, kernel_impl="auto")
+    accept_index, accept_length, out = accept_tree(logits, tree, seq, samp, shape, greedy_only=True)
 
     # 4. COMMIT. The root and the accepted guesses are now committed tokens. Their KV is
     #    already in the target cache, but at their tree slots: a tree moves it to

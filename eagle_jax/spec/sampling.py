@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
 from eagle_jax.errors import InputError
+from eagle_jax.validate import int_in, is_int, is_number, non_negative_int, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +40,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InputError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InputError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        non_negative_int("top_k", self.top_k, error=InputError, note="0 = off")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InputError(f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise InputError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        int_in("seed", self.seed, 0, 2**32, error=InputError, hi_text="2**32")
+        positive_int("max_new_tokens", self.max_new_tokens, error=InputError)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not is_int(t) or t < 0:
                 raise InputError(f"stop_token_ids has {t!r}; token ids are integers >= 0")
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:

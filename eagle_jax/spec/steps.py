@@ -31,6 +31,11 @@ The step is two phases: ``draft_phase_impl`` (draft tree, oracle substitution) a
 ``verify_phase_impl`` (verify, accept, commit, draft extend); ``speculative_step_impl`` is
 their composition, traced as one graph. ``SpecSteps`` also compiles each phase alone, for
 measuring draft and verify time separately (``EngineConfig.time_phases``).
+
+Which kernels a step runs (verify kernels, tree attention, the CPU prefix-attention
+kernel, the mesh the Pallas kernels run ``shard_map`` over) is the execution plan's:
+every step function takes ``plan=`` (``kernels.plan.ExecutionPlan``, resolved once by
+``runtime.plan.resolve_plan``; default ``XLA_PLAN``) and hands it to the forwards.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from jaxtyping import Array, Bool, Float, Int
 from eagle_jax.models.draft import Eagle3Draft
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SAMPLING_VERIFY, SpeculativeConfig  # noqa: F401  (re-exported)
 from eagle_jax.models.llama import KVCache, PrefixMask, TreeAttention, write_rows
+from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
 from eagle_jax.kernels.sharded import shard_rows
+from eagle_jax.validate import is_int
 from eagle_jax.models.target import ArraySpec, TargetModel, cache_len
 from eagle_jax.spec.sampling import (
     SamplingArrays,
@@ -109,7 +116,7 @@ class DraftSync:
     def __post_init__(self):
         if self.mode not in DRAFT_SYNC_MODES:
             raise ValueError(f"draft sync mode {self.mode!r}; valid: {', '.join(DRAFT_SYNC_MODES)}")
-        if not (isinstance(self.rows, int) and self.rows >= 1 and isinstance(self.width, int) and self.width >= 1):
+        if not (is_int(self.rows) and self.rows >= 1 and is_int(self.width) and self.width >= 1):
             raise ValueError(f"draft sync tile rows={self.rows!r} x width={self.width!r}: both integers >= 1")
 
     @property
@@ -133,6 +140,7 @@ def draft_tree(
     cache: KVCache,
     state: SpecState,
     cfg: SpeculativeConfig,
+    plan: ExecutionPlan = XLA_PLAN,
 ) -> tuple[Tree, KVCache]:
     """Grow the draft tree from ``state`` (SGLang's ranking by cumulative draft probability).
 
@@ -166,7 +174,7 @@ def draft_tree(
         rel = jnp.arange(s_len)[None, None, :] - seq[:, None, None]  # [B, 1, S]
         in_scratch = (rel >= 0) & (rel < n_scratch)
         mask = (rel < 0) | (in_scratch & jnp.take_along_axis(anc, jnp.clip(rel, 0, n_scratch - 1).repeat(k, 1), axis=2))
-        h, cache = draft(f_tokens, f_hidden, pos, cache, slots, mask)
+        h, cache = draft(f_tokens, f_hidden, pos, cache, slots, mask, plan=plan)
         p = jax.nn.softmax(draft.logits(h), axis=-1)  # [B, k, Vd]
         c_scores, c_ids = jax.lax.top_k(p, k)  # [B, k, k]
         cum = (f_scores[:, :, None] * c_scores).reshape(b, k * k)
@@ -206,17 +214,6 @@ def draft_tree(
     return tree, cache
 
 
-def tree_attention_impl_for(kernel_impl: str) -> str | None:
-    """How a step's target forward attends over the cache, decided in this one place for
-    the verify forward and the plain step: on a GPU (unless ``kernel_impl`` is
-    "reference") through ``pallas_kernels.tree_attention`` ("auto": the Mosaic GPU kernel
-    where it takes the shapes, else its XLA reference); elsewhere ``None``: the target's
-    ``PrefixMask`` path (the new block in XLA, the cached prefix in the CPU kernel or XLA
-    block by block), faster on a CPU than the kernel's interpreter. On the H200 the block
-    loop made an 8B plain step 2.3x a chain S=1 verify step (results/gpu/)."""
-    return "auto" if jax.default_backend() == "gpu" and kernel_impl != "reference" else None
-
-
 def verify_mask(seq_lens: Int[Array, "B"], tree_mask: Bool[Array, "B T T"], max_len: int | None = None) -> PrefixMask:
     """Tree queries see the committed prefix plus their ancestors at slots ``seq_len + t``."""
     del max_len  # the structure does not depend on the cache length
@@ -244,7 +241,7 @@ def _move_accepted_kv(cache, seq_lens, accept_index, accept_length):
     return jax.tree.map(lambda c: c.at[rows, dst].set(c[rows, src], mode="drop"), cache)
 
 
-def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens, keep_row):
+def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens, keep_row, plan: ExecutionPlan = XLA_PLAN):
     """Run the draft over W new (token, target feature) pairs at ``seq_len + i``.
 
     Returns the pre-norm output at ``keep_row`` ([B, H]) and the cache.
@@ -253,7 +250,7 @@ def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens
     slots = seq_lens[:, None] + jnp.arange(w)[None, :]
     h, cache = draft(
         jnp.maximum(tokens, 0), draft.fuse(features), slots, cache, slots,
-        prefix_causal_mask(seq_lens, w, cache_len(cache)),
+        prefix_causal_mask(seq_lens, w, cache_len(cache)), plan=plan,
     )
     return h[jnp.arange(b), keep_row], cache
 
@@ -266,7 +263,7 @@ def _store_pending(state: SpecState, fused: Float[Array, "B W H"], tokens: Int[A
     return (write_rows(state.pending_hidden, slots, fused), write_rows(state.pending_tokens, slots, tokens))
 
 
-def catch_up_draft(draft: Eagle3Draft, state: SpecState, sync: DraftSync) -> SpecState:
+def catch_up_draft(draft: Eagle3Draft, state: SpecState, sync: DraftSync, plan: ExecutionPlan = XLA_PLAN) -> SpecState:
     """Run the draft over every pending position (``draft_len <= p < seq_len``), so the
     draft cache and ``draft_hidden`` are what eager syncing would have left. A no-op
     (one comparison) when nothing is pending; an eager state is returned as is.
@@ -297,7 +294,7 @@ def catch_up_draft(draft: Eagle3Draft, state: SpecState, sync: DraftSync) -> Spe
         hid = jnp.take_along_axis(state.pending_hidden[rows], take[:, :, None], axis=1)
         slots = jnp.where(jnp.arange(w)[None, :] < n[:, None], pos, big)
         sub = jax.tree.map(lambda x: x[rows], dcache)
-        h, sub = draft(jnp.maximum(toks, 0), hid, pos, sub, slots, prefix_causal_mask(start, w, big))
+        h, sub = draft(jnp.maximum(toks, 0), hid, pos, sub, slots, prefix_causal_mask(start, w, big), plan=plan)
         dcache = jax.tree.map(lambda x, y: x.at[rows].set(y), dcache, sub)
         last = h[jnp.arange(r), jnp.maximum(n - 1, 0)]
         g = g.at[rows].set(jnp.where((n > 0)[:, None], last.astype(g.dtype), g[rows]))
@@ -309,23 +306,26 @@ def catch_up_draft(draft: Eagle3Draft, state: SpecState, sync: DraftSync) -> Spe
 
 
 def verify_tree(
-    target: TargetModel, cache, seq_lens: Int[Array, "B"], tree: Tree, *, tree_attention_impl: str | None = None
+    target: TargetModel, cache, seq_lens: Int[Array, "B"], tree: Tree, *, plan: ExecutionPlan = XLA_PLAN
 ) -> tuple[Float[Array, "B T V"], Float[Array, "B T F"], object]:
     """Target forward over the tree tokens of every sequence (ancestor-only mask).
 
     Writes the tree's KV at slots ``seq_len + t``; returns (logits, features, cache).
-    ``tree_attention_impl`` None attends through the target's ``PrefixMask`` path (the tree
+    ``plan.tree_attention`` None attends through the target's ``PrefixMask`` path (the tree
     block under its ancestor mask, then the cached prefix block by block or in the CPU
-    kernel); otherwise with ``pallas_kernels.tree_attention`` in that mode (the GPU path).
+    kernel, as ``plan.prefix_attention_for`` says); otherwise with
+    ``pallas_kernels.tree_attention`` in that mode (the GPU path: on the H200 the block
+    loop made an 8B plain step 2.3x a chain S=1 verify step, results/gpu/).
     """
     t = tree.tokens.shape[1]
     slots = seq_lens[:, None] + jnp.arange(t)[None, :]
     tmask = tree_ancestor_mask(tree.parents)
-    if tree_attention_impl is None:
+    if plan.tree_attention is None:
         mask, ta = verify_mask(seq_lens, tmask, cache_len(cache)), None
     else:
-        mask, ta = None, TreeAttention(seq_lens, tmask, tree_attention_impl)
-    h, feats, cache = target(tree.tokens, seq_lens[:, None] + tree.depths, cache, slots, mask, return_features=True, tree=ta)
+        mask, ta = None, TreeAttention(seq_lens, tmask, plan.tree_attention)
+    h, feats, cache = target(tree.tokens, seq_lens[:, None] + tree.depths, cache, slots, mask, return_features=True, tree=ta,
+                             plan=plan)
     return target.logits(h), feats, cache
 
 
@@ -337,18 +337,19 @@ def accept_tree(
     cfg: SpeculativeConfig,
     *,
     greedy_only: bool,
-    kernel_impl: str,
+    plan: ExecutionPlan = XLA_PLAN,
 ):
-    """Greedy verification, or exact tree speculative sampling with per-row settings.
+    """Greedy verification, or exact tree speculative sampling with per-row settings, with
+    ``plan.verify_kernel`` (per device of ``plan.mesh`` on its rows).
 
     Returns ``(accept_index [B, S+1], accept_length [B], out_tokens [B, S+1])``.
     """
 
     def greedy(tokens, parents, picks):  # the verify kernel, per device on its rows under a mesh
-        return verify_greedy(tokens, parents, picks, max_depth=cfg.num_steps, impl=kernel_impl)
+        return verify_greedy(tokens, parents, picks, max_depth=cfg.num_steps, impl=plan.verify_kernel)
 
     if greedy_only:
-        return shard_rows(greedy, tree.tokens, tree.parents, jnp.argmax(logits, -1).astype(jnp.int32))
+        return shard_rows(greedy, tree.tokens, tree.parents, jnp.argmax(logits, -1).astype(jnp.int32), mesh=plan.mesh)
     b, t, v = logits.shape
     rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731
     # Greedy rows get one-hot probabilities, so sampling verification is exact for them too.
@@ -357,7 +358,7 @@ def accept_tree(
         # The token after slot t sits at position seq_len + depth(t) + 1.
         u = position_uniforms(samp.key, seq_lens[:, None] + tree.depths + 1)  # [B, T]
         draws = inverse_cdf_sample(probs, u.reshape(-1)).reshape(b, t)
-        return shard_rows(greedy, tree.tokens, tree.parents, draws)
+        return shard_rows(greedy, tree.tokens, tree.parents, draws, mesh=plan.mesh)
     coin_key, bonus_key = _step_keys(samp, seq_lens)
     # Coins in (0, 1]: a coin of exactly 0 would accept a zero-probability child.
     coins = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (t,)))(coin_key)
@@ -365,11 +366,11 @@ def accept_tree(
     def sample(tokens, parents, probs, coins, bonus_u):
         return tree_speculative_sample(
             tokens, parents, probs, coins, bonus_u, max_depth=cfg.num_steps,
-            threshold_single=cfg.threshold_single, threshold_acc=cfg.threshold_acc, impl=kernel_impl,
+            threshold_single=cfg.threshold_single, threshold_acc=cfg.threshold_acc, impl=plan.verify_kernel,
         )
 
     # Per device on its rows under a mesh; the probabilities are gathered over the vocabulary.
-    return shard_rows(sample, tree.tokens, tree.parents, probs.reshape(b, t, v), coins, bonus_u)
+    return shard_rows(sample, tree.tokens, tree.parents, probs.reshape(b, t, v), coins, bonus_u, mesh=plan.mesh)
 
 
 def commit_accepted(cache, feats, seq_lens, accept_index, accept_length, cfg: SpeculativeConfig):
@@ -398,6 +399,7 @@ TreeHook = Callable[["Tree", SpecState, SamplingArrays], "Tree"]
 def draft_phase_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, *,
     cfg: SpeculativeConfig, tree_hook: TreeHook | None = None, sync: DraftSync = DraftSync(),
+    plan: ExecutionPlan = XLA_PLAN,
 ) -> tuple[Tree, KVCache]:
     """The draft phase of a speculative step: catch the draft up on what a deferred sync
     left pending (``catch_up_draft``; nothing for an eager state), grow the tree
@@ -411,9 +413,9 @@ def draft_phase_impl(
     into the scratch slots above the prefix (same shapes as ``state.draft_cache``).
     """
     del target  # the draft phase never runs the target; the argument keeps phases uniform
-    state = catch_up_draft(draft, state, sync)
+    state = catch_up_draft(draft, state, sync, plan)
     with jax.named_scope("draft"):
-        tree, dcache = draft_tree(draft, state.draft_cache, state, cfg)
+        tree, dcache = draft_tree(draft, state.draft_cache, state, cfg, plan)
         if tree_hook is not None:
             tree = tree_hook(tree, state, samp)
     return tree, dcache
@@ -421,7 +423,8 @@ def draft_phase_impl(
 
 def verify_phase_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, tree: Tree, draft_cache: KVCache, samp: SamplingArrays, *,
-    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto", check_finite: bool = False,
+    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, check_finite: bool = False,
+    plan: ExecutionPlan = XLA_PLAN,
 ):
     """The verify phase of a speculative step: verify the tree with the target, accept,
     commit the accepted path, and run the draft extend over the emitted tokens.
@@ -432,17 +435,15 @@ def verify_phase_impl(
     """
     seq = state.seq_lens
     with jax.named_scope("verify"):
-        # tree_attention_impl_for: the tree-attention kernel on GPUs, the target's prefix
+        # plan.tree_attention: the tree-attention kernel on GPUs, the target's prefix
         # attention elsewhere (StepTable.verify_attention_path says which).
-        logits, feats, tcache = verify_tree(
-            target, state.target_cache, seq, tree, tree_attention_impl=tree_attention_impl_for(kernel_impl)
-        )
+        logits, feats, tcache = verify_tree(target, state.target_cache, seq, tree, plan=plan)
     with jax.named_scope("accept"):
-        acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=greedy_only, kernel_impl=kernel_impl)
+        acc_index, acc_len, out = accept_tree(logits, tree, seq, samp, cfg, greedy_only=greedy_only, plan=plan)
     with jax.named_scope("commit"):
         tcache, acc_feats = commit_accepted(tcache, feats, seq, acc_index, acc_len, cfg)
     with jax.named_scope("draft_extend"):
-        g, dcache = _draft_extend(draft, draft_cache, out, acc_feats, seq, acc_len - 1)
+        g, dcache = _draft_extend(draft, draft_cache, out, acc_feats, seq, acc_len - 1, plan)
     new_seq = jnp.minimum(seq + acc_len, max_seq_len)  # finished rows keep running; the clamp keeps writes in range
     new_state = dataclasses.replace(
         state,
@@ -459,8 +460,9 @@ def verify_phase_impl(
 
 def speculative_step_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, *,
-    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int, kernel_impl: str = "auto",
+    cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int,
     check_finite: bool = False, tree_hook: TreeHook | None = None, sync: DraftSync = DraftSync(),
+    plan: ExecutionPlan = XLA_PLAN,
 ):
     """One speculative step: draft, verify, accept, commit, draft extend — the draft
     phase then the verify phase, traced into one graph (the default, fused step).
@@ -470,34 +472,33 @@ def speculative_step_impl(
     emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
     only with ``check_finite``) says whether the row's verify logits were all finite.
     """
-    tree, dcache = draft_phase_impl(target, draft, state, samp, cfg=cfg, tree_hook=tree_hook, sync=sync)
+    tree, dcache = draft_phase_impl(target, draft, state, samp, cfg=cfg, tree_hook=tree_hook, sync=sync, plan=plan)
     return verify_phase_impl(
         target, draft, state, tree, dcache, samp, cfg=cfg, greedy_only=greedy_only, max_seq_len=max_seq_len,
-        kernel_impl=kernel_impl, check_finite=check_finite,
+        check_finite=check_finite, plan=plan,
     )
 
 
 def plain_step_impl(
     target: TargetModel, draft: Eagle3Draft | None, state: SpecState, samp: SamplingArrays, *,
-    greedy_only: bool, max_seq_len: int, check_finite: bool = False, tree_attention_impl: str | None = None,
+    greedy_only: bool, max_seq_len: int, check_finite: bool = False, plan: ExecutionPlan = XLA_PLAN,
 ):
     """A non-speculative step; with a draft (not None) it keeps the draft in
     sync by a 1-token draft extend, so speculation can resume without losing acceptance,
     or, for a deferred state, only stores that extend's input (``SpecState.draft_len``).
-    ``tree_attention_impl`` (``tree_attention_impl_for``): None attends through the
-    target's ``PrefixMask`` path, else through the tree-attention kernel with a one-slot
-    tree, as the verify forward does.
+    ``plan.tree_attention`` None attends through the target's ``PrefixMask`` path, else
+    through the tree-attention kernel with a one-slot tree, as the verify forward does.
 
     Returns ``(state, out_tokens [B, 1], accept_length [B] = 1, finite [B] or None)``.
     """
     seq = state.seq_lens
     pos = seq[:, None]
-    if tree_attention_impl is None:
+    if plan.tree_attention is None:
         mask, ta = prefix_causal_mask(seq, 1, cache_len(state.target_cache)), None
     else:
-        mask, ta = None, TreeAttention(seq, jnp.ones((seq.shape[0], 1, 1), bool), tree_attention_impl)
+        mask, ta = None, TreeAttention(seq, jnp.ones((seq.shape[0], 1, 1), bool), plan.tree_attention)
     h, feats, tcache = target(
-        state.root[:, None], pos, state.target_cache, pos, mask, return_features=draft is not None, tree=ta,
+        state.root[:, None], pos, state.target_cache, pos, mask, return_features=draft is not None, tree=ta, plan=plan,
     )
     logits = target.logits(h[:, 0])
     nxt = sample_tokens(logits, samp, seq + 1, greedy_only=greedy_only)
@@ -508,7 +509,7 @@ def plain_step_impl(
         ph, pt = _store_pending(state, draft.fuse(feats), nxt[:, None], seq)
         new_state = dataclasses.replace(state, target_cache=tcache, seq_lens=new_seq, root=nxt, pending_hidden=ph, pending_tokens=pt)
     else:
-        g, dcache = _draft_extend(draft, state.draft_cache, nxt[:, None], feats, seq, jnp.zeros_like(seq))
+        g, dcache = _draft_extend(draft, state.draft_cache, nxt[:, None], feats, seq, jnp.zeros_like(seq), plan)
         new_state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache, seq_lens=new_seq, root=nxt, draft_hidden=g)
     return new_state, nxt[:, None], jnp.ones_like(seq), _finite_rows(logits) if check_finite else None
 
@@ -519,7 +520,7 @@ def _finite_rows(logits: Float[Array, "B ... V"]) -> Bool[Array, "B"]:
 
 def prefill_impl(
     target: TargetModel, draft: Eagle3Draft | None, state: SpecState, tokens: Int[Array, "B P"], lengths: Int[Array, "B"],
-    samp: SamplingArrays, *, greedy_only: bool,
+    samp: SamplingArrays, *, greedy_only: bool, plan: ExecutionPlan = XLA_PLAN,
 ):
     """Prefill the target and (when there is one) the draft; ``state`` holds zeroed
     caches. Returns (state, first token [B])."""
@@ -529,7 +530,7 @@ def prefill_impl(
     h, feats, tcache = target(
         tokens, jnp.broadcast_to(jnp.arange(p), (b, p)), state.target_cache,
         jnp.broadcast_to(jnp.arange(p), (b, p)), prefix_causal_mask(zeros, p, cache_len(state.target_cache)),
-        return_features=draft is not None,
+        return_features=draft is not None, plan=plan,
     )
     first = sample_tokens(target.logits(h[rows, lengths - 1]), samp, lengths, greedy_only=greedy_only)
     state = dataclasses.replace(state, target_cache=tcache, seq_lens=lengths, root=first)
@@ -541,7 +542,7 @@ def prefill_impl(
     if state.deferred:  # the draft runs over the prompt at the first speculative step, if any
         ph, pt = _store_pending(state, draft.fuse(feats), shifted, zeros)
         return dataclasses.replace(state, draft_len=zeros, pending_hidden=ph, pending_tokens=pt), first
-    g, dcache = _draft_extend(draft, state.draft_cache, shifted, feats, zeros, lengths - 1)
+    g, dcache = _draft_extend(draft, state.draft_cache, shifted, feats, zeros, lengths - 1, plan)
     return dataclasses.replace(state, draft_cache=dcache, draft_hidden=g), first
 
 

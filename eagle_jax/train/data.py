@@ -39,7 +39,9 @@ import numpy as np
 from eagle_jax.errors import EagleJaxError, InputError
 from eagle_jax.models.llama import BoundModules, LlamaModel, causal_mask
 from eagle_jax.models.target import init_from_spec
+from eagle_jax.runtime.plan import xla_plan
 from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.validate import is_int
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def _parse_conversation(line: str, where: str, vocab_size: int | None) -> Conver
     try:
         obj = json.loads(line)
         rid = obj.get("id")
-        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+        if rid is not None and not (isinstance(rid, str) or is_int(rid)):
             raise TypeError(f"id {rid!r} is not a string or an integer")
         conv = Conversation(
             prompt_ids=[int(t) for t in obj["prompt_ids"]],
@@ -337,6 +339,7 @@ class FeatureSet:
 
 def _forward_fn(target: LlamaModel):
     bound = BoundModules(target)
+    plan = xla_plan()  # XLA's own kernels for this backend (an MoE target picks its formulation by it)
 
     @jax.jit
     def run(params, tokens):
@@ -344,7 +347,7 @@ def _forward_fn(target: LlamaModel):
         b, width = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(width), (b, width))
         cache = init_from_spec(model.cache_spec(b, width))  # any target's cache (the seam)
-        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True)
+        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True, plan=plan)
         return h, feats, jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
 
     return lambda tokens: run(bound.params, tokens)

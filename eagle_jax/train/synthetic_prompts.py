@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+from eagle_jax.validate import one_of
+
 TEMPLATES = [
     "Explain {t} to a ten-year-old.",
     "What is {t}? Answer in a short paragraph.",
@@ -109,8 +111,7 @@ def synthetic_prompts(n: int, *, split: str = "train", seed: int = 0) -> list[st
     Deterministic for a given (n, split, seed). ``split`` is "train" or "eval"; the two
     share templates but not topics.
     """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split={split!r}; valid: train, eval")
+    one_of("split", split, ("train", "eval"), error=ValueError)
     topics = _split(_TOPICS if split == "train" else _EVAL_TOPICS)
     code = _split(_CODE if split == "train" else _EVAL_CODE)
     pool = [tpl.format(t=t) for tpl in TEMPLATES for t in topics]

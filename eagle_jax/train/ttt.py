@@ -36,6 +36,7 @@ from flax import nnx
 
 from eagle_jax.models.draft import DraftConfig, Eagle3Draft
 from eagle_jax.errors import ConfigError
+from eagle_jax.validate import is_number, non_negative_int, optional, positive_int
 from eagle_jax.models.llama import KVCache, LlamaModel, StepDiagonalMask
 from eagle_jax.train.data import FeatureSet
 
@@ -70,22 +71,19 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("draft_vocab_size", "ttt_length", "batch_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+            positive_int(name, v)
+        non_negative_int("warmup_steps", self.warmup_steps)
         for name in ("learning_rate", "epochs", "grad_clip"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if not is_number(v) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name}={v!r} must be a finite number > 0")
         for name in ("step_decay", "min_learning_rate_ratio"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+            if not is_number(v) or not 0 < v <= 1:
                 raise ConfigError(f"{name}={v!r} must be in (0, 1]")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+        if not is_number(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
-        if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int) or self.intermediate_size < 1):
-            raise ConfigError(f"intermediate_size={self.intermediate_size!r} must be an integer >= 1 or None")
+        optional(positive_int, "intermediate_size", self.intermediate_size)
 
 
 # ----------------------------------------------------------------------------- vocabulary and init
@@ -521,8 +519,7 @@ def train_draft(
     (the positions the loss can count) of the batches trained on so far, the x axis of a
     learning curve. A resumed run recounts it from the replayed batch order.
     """
-    if not isinstance(eval_every, int) or eval_every < 0:
-        raise ConfigError(f"eval_every={eval_every!r} must be an integer >= 0")
+    non_negative_int("eval_every", eval_every)
     if init is None:
         ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
         draft = init_draft(target, ids, cfg)

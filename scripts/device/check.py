@@ -470,7 +470,7 @@ def section_lossless(rec: Record, out: Path) -> None:
         auto = engine.policy
         table = engine.table
         res = {"pair": what, "dtype": dtype, "build_s": round(build_s, 1), "graphs": table.report.graphs,
-               "kernels": table.kernel_path, "verify_attention": table.verify_attention_path(), "runs": {}}
+               "kernels": table.plan.kernel_path, "verify_attention": table.verify_attention_path(), "runs": {}}
         # Which custom calls the compiled greedy tree step makes (the Pallas paths on a GPU).
         hlo = table.compiled(("step", max(buckets), tree, True)).as_text()
         res["tree_step_custom_calls"] = {
@@ -673,7 +673,7 @@ def section_llama8b(rec: Record, out: Path) -> None:
         table = table_for(b, kernel_impl)
         if b == batches[0]:
             rec.put("verify_attention", table.verify_attention_path())
-            rec.put("kernels", table.kernel_path)
+            rec.put("kernels", table.plan.kernel_path)
         per_batch[b] = time_table(rec, table, b, options, context, prefix="step", **timing)
         failed = {n: s for n, s in options.items()
                   if s is not None and "error" in rec.data["items"].get(f"step b{b} {n}", {})}
@@ -764,7 +764,7 @@ def section_deepseek(rec: Record, out: Path) -> None:
     plan = {}
     for b in batches:
         for label, n in (("plain", b), ("chain S=3", b * 4)):
-            plan[f"b{b} {label} ({n} tokens)"] = {"moe_auto": moe_impl_for(n, 8, cfg.n_routed_experts, int4=True),
+            plan[f"b{b} {label} ({n} tokens)"] = {"moe_auto": moe_impl_for(n, 8, cfg.n_routed_experts, jax.default_backend(), int4=True),
                                                  "mla_form": mla_form(cfg, n // b, context + 256)}
     rec.put("model", {"config": "Kimi-K2 slice: 1 dense + 2 MoE layers (INT4 experts, group 32)" if not rec.dry else "tiny",
                       "init_s": round(time.perf_counter() - t0, 1), "target_weight_gb": round(weight_bytes / 1e9, 2),

@@ -1,0 +1,59 @@
+"""Resolving the execution plan (``eagle_jax.kernels.plan.ExecutionPlan``): the one place
+in eagle_jax that asks the backend which kernels to run.
+
+``resolve_plan`` reads the backend (``jax.default_backend()`` unless given), the
+requested ``kernel_impl``, the mesh and what the CPU kernel library says
+(``cpu_matmul.status``: built, switched off by ``EAGLE_JAX_CPU_MATMUL`` /
+``EAGLE_JAX_CPU_ATTENTION``, or why it is unavailable), and applies the rules listed in
+``kernels.plan``. The step table resolves one plan per table and passes it to every
+graph; ``xla_plan`` is XLA's own kernels for this backend (training and feature
+extraction, which need gradients or plain kernels).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+
+from eagle_jax.kernels import cpu_matmul
+from eagle_jax.kernels.plan import ExecutionPlan, check_kernel_impl
+
+
+def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend: str | None = None,
+                 compute_capability: str | None = None) -> ExecutionPlan:
+    """The plan for graphs on ``backend`` (default: JAX's default backend) over ``mesh``
+    (None: one device) with verify kernels ``kernel_impl`` ("auto", "kernel",
+    "reference"; a ``ConfigError`` otherwise). ``compute_capability``: the GPU's
+    (default: the first device's, on a GPU backend). Rules: ``kernels.plan``."""
+    check_kernel_impl(kernel_impl)
+    backend = backend or jax.default_backend()
+    devices = 1 if mesh is None else mesh.size
+    if backend == "gpu" and compute_capability is None:
+        compute_capability = getattr(jax.devices()[0], "compute_capability", None)
+    # On a CPU the weight products run through the packed-weight kernel when it builds
+    # (cpu_matmul: XLA's GEMM re-packs the weights on every few-row product).
+    packed, note = cpu_matmul.status(backend)
+    if packed and devices > 1:
+        # GSPMD cannot partition a custom call: a sharded table would need it under
+        # shard_map. Unpacked weights keep the prefix attention in XLA too.
+        packed, note = False, f"XLA dot and prefix attention in XLA (the CPU kernels are single-device; mesh of {devices})"
+    return ExecutionPlan(
+        backend=backend,
+        kernel_impl=kernel_impl,
+        verify_kernel="kernel" if kernel_impl == "kernel" or (kernel_impl == "auto" and backend == "gpu") else "reference",
+        # The tree-attention kernel on GPUs; elsewhere the target's PrefixMask path.
+        tree_attention="auto" if backend == "gpu" and kernel_impl != "reference" else None,
+        matmul="packed" if packed else "xla",
+        # The prefix-attention FFI kernel goes with the packed (inference-only) binding.
+        prefix_attention="cpu" if packed and cpu_matmul.attention_mode() == "auto" else "xla",
+        mesh=mesh if devices > 1 else None,
+        devices=devices,
+        matmul_note=note,
+        compute_capability=compute_capability,
+    )
+
+
+def xla_plan(backend: str | None = None) -> ExecutionPlan:
+    """XLA's own kernels on ``backend`` (default: JAX's), one device: no FFI or Pallas
+    custom call, so gradients flow (training, feature extraction)."""
+    return ExecutionPlan(backend=backend or jax.default_backend())
