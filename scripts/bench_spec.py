@@ -142,8 +142,7 @@ def spec_ms(target, draft, cfg, b, prompts, repeats):
     step = median_ms(full, repeats)
     st = holder["state"]
     seq0 = jnp.asarray(seq0_np)
-    # The drafting phase reads only the lengths, root and hidden; the caches travel apart
-    # (hook_data stays None: no draft hook).
+    # The drafting phase reads only the lengths, root and hidden; the caches travel apart.
     lite = SpecState(None, None, seq0, st.root, st.draft_hidden)
 
     # Each phase alone, jitted on the same shapes, its inputs produced by the earlier phase.

@@ -17,7 +17,7 @@ from eagle_jax.models.config import ModelConfig
 from eagle_jax.serving.engine import Engine, EngineConfig, EngineMetrics, NonFiniteError, compile_count
 from eagle_jax.errors import CheckpointError, ConfigError, InputError
 from eagle_jax.serving.generate import Buckets, Generator
-from eagle_jax.spec.oracle import OracleHook
+from eagle_jax.spec.oracle import OracleProposer
 from eagle_jax.runtime.step_table import CompileAfterBuildError
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.steps import SpeculativeConfig
@@ -54,20 +54,19 @@ def engine(request, target, draft, reference):
     oracle (multi-token accepts, so accepted drafts cross slot inserts and resizes)."""
     if request.param == "random":
         return Engine(target, draft, CUTOFF, progress=False)
-    hook = OracleHook(noise=0.3, vocab_size=target.config.vocab_size)
-    return Engine(target, draft, CUTOFF, draft_hook=hook, hook_width=CUTOFF.max_seq_len + SPEC.num_draft_tokens, progress=False)
+    oracle = OracleProposer(row_width=CUTOFF.max_seq_len + SPEC.num_draft_tokens, noise=0.3, vocab_size=target.config.vocab_size)
+    # Each request's row: its prompt and the target's greedy continuation (the reference).
+    return Engine(target, draft, CUTOFF, proposer=oracle, proposer_rows=lambda rid, prompt: _oracle_row(prompt), progress=False)
 
 
 def _add(engine, i, n, **kw):
-    """Queue PROMPTS[i] for n greedy tokens (with its oracle row when the engine has a hook)."""
-    hook = None
-    if engine.table.hook_width:
-        hook = PROMPTS[i] + _REFERENCE[i].token_ids
-    return engine.add_request(PROMPTS[i], _greedy(n), hook_data=hook, **kw)
+    """Queue PROMPTS[i] for n greedy tokens."""
+    return engine.add_request(PROMPTS[i], _greedy(n), **kw)
 
 
-def _oracle_rows(engine, idx):
-    return None if not engine.table.hook_width else [PROMPTS[i] + _REFERENCE[i].token_ids for i in idx]
+def _oracle_row(prompt):
+    i = PROMPTS.index(list(prompt))
+    return PROMPTS[i] + _REFERENCE[i].token_ids
 
 
 _REFERENCE: list = []
@@ -113,7 +112,7 @@ def test_cutoff_run_is_token_identical_and_compiles_nothing(engine, reference):
     assert len(s["acceptance_rate_by_depth"]) == SPEC.num_steps
     assert engine.metrics.spec_steps > spec_before
     accepts = [a for rid in ids for a in done[rid].accept_lengths]
-    if engine.table.hook_width:  # the noisy oracle really accepted several tokens per step
+    if engine.table.proposer.row_width:  # the noisy oracle really accepted several tokens per step
         assert np.mean(accepts) > 1.5
     else:
         assert np.mean(accepts) < 1.3
@@ -125,26 +124,27 @@ def test_step_table_refuses_graphs_it_did_not_build(engine):
         t._get(("step", 3, SPEC, True))  # a batch of 3: no such bucket
     with pytest.raises(CompileAfterBuildError, match="not compiled at start-up"):
         t.step(t.zeros(1), t.sampling([], 1), SpeculativeConfig(num_steps=2), True)  # an unknown shape
+    width = t.proposer.row_width  # the oracle engine's steps also take the proposer's rows
+    rows = t.device_put_rows(np.zeros((1, width), np.int32)) if width else None
     with pytest.raises(TypeError):  # a built graph given other shapes refuses instead of recompiling
-        t._get(("step", 1, SPEC, True))(t.params, t.zeros(2), t.sampling([], 1))
+        t._get(("step", 1, SPEC, True))(t.params, t.zeros(2), t.sampling([], 1), rows)
 
 
 def test_queued_requests_are_never_dropped(engine, reference):
-    out = engine.generate(PROMPTS, [_greedy(n) for n in LENGTHS], hook_data=_oracle_rows(engine, range(7)))  # 7 requests, 4 slots
+    out = engine.generate(PROMPTS, [_greedy(n) for n in LENGTHS])  # 7 requests, 4 slots
     assert [c.token_ids for c in out] == [r.token_ids for r in reference]
 
 
 def test_sampling_is_reproducible_alone_or_batched(engine):
     # With the oracle engine, the proposals are greedy reference tokens; coupled
     # verification keeps the sampled output the target's either way.
-    rows = lambda idx: _oracle_rows(engine, idx)  # noqa: E731
     sp = SamplingParams(temperature=0.8, top_k=40, seed=77, max_new_tokens=30, ignore_eos=True)
-    alone = engine.generate([PROMPTS[0]], [sp], hook_data=rows([0]))[0].token_ids
+    alone = engine.generate([PROMPTS[0]], [sp])[0].token_ids
     others = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=50, ignore_eos=True) for s in range(5)]
     # Five requests: the batch goes past the cutoff, so this run mixes plain and speculative steps.
-    batched = engine.generate([PROMPTS[1], PROMPTS[0]] + PROMPTS[2:6], [others[0], sp] + others[1:], hook_data=rows([1, 0, 2, 3, 4, 5]))[1].token_ids
+    batched = engine.generate([PROMPTS[1], PROMPTS[0]] + PROMPTS[2:6], [others[0], sp] + others[1:])[1].token_ids
     assert alone == batched
-    assert engine.generate([PROMPTS[0]], [SamplingParams(temperature=0.8, top_k=40, seed=78, max_new_tokens=30, ignore_eos=True)], hook_data=rows([0]))[0].token_ids != alone
+    assert engine.generate([PROMPTS[0]], [SamplingParams(temperature=0.8, top_k=40, seed=78, max_new_tokens=30, ignore_eos=True)])[0].token_ids != alone
 
 
 def test_cancel_frees_the_slot_and_spares_the_others(engine, reference):

@@ -54,7 +54,8 @@ from eagle_jax.spec.steps import (
     DraftSync,
     SpecState,
     Tree,
-    TreeHook,
+    Proposer,
+    EAGLE3,
     draft_phase_impl,
     plain_step_impl,
     prefill_impl,
@@ -163,9 +164,12 @@ class StepTable:
       kernel_impl: verification kernels, "auto" / "kernel" / "reference" (the execution
         plan, ``self.plan``, is resolved from it, the backend and the mesh).
       check_finite: steps also return per-row "logits were finite" flags.
-      time_phases: speculative steps as two graphs (draft phase, verify phase).
-      tree_hook: a draft hook traced into speculative steps (the oracle; None in serving).
-      hook_width: columns of ``state.hook_data`` the hook reads (0: no hook data).
+      time_phases: speculative steps run as two graphs (draft phase, verify phase), each
+        waited for and timed into ``phase_seconds`` (a measuring mode: the syncs cost the
+        host/device overlap); ``step`` still takes one call.
+      proposer: what proposes the verified tokens (``steps.Proposer``; default EAGLE-3's
+        draft tree; the oracle measures at a chosen acceptance). With ``row_width`` > 0,
+        speculative steps take the proposer's per-row data (``rows``, ``[B, row_width]``).
       mesh: the device mesh, axes data and model (default: one device;
         ``sharding.make_mesh``). On more than one device the Pallas kernels run under
         shard_map (``plan.kernel_path`` says so) and the CPU FFI kernels are off.
@@ -184,7 +188,7 @@ class StepTable:
         self, target: TargetModel, draft: Eagle3Draft | None, *, shapes: Sequence[SpeculativeConfig],
         batch_buckets: Sequence[int], prompt_buckets: Sequence[int], max_seq_len: int,
         prefill_token_budget: int = 512, kernel_impl: str = "auto", check_finite: bool = False,
-        time_phases: bool = False, tree_hook: TreeHook | None = None, hook_width: int = 0,
+        time_phases: bool = False, proposer: Proposer = EAGLE3,
         mesh: Mesh | None = None, cache_align: int | None = None, plain: bool = True, sampled: bool = True,
         draft_sharding: str = "replicated", draft_sync: DraftSync | str = "eager",
     ):
@@ -193,8 +197,8 @@ class StepTable:
             raise ConfigError("speculative shapes were given but there is no draft")
         if time_phases and not shapes:
             raise ConfigError("time_phases needs at least one speculative shape")
-        if (tree_hook is None) != (hook_width == 0):
-            raise ConfigError("tree_hook and hook_width go together")
+        if not isinstance(proposer, Proposer):
+            raise ConfigError(f"proposer must be a eagle_jax.spec.steps.Proposer, got {type(proposer).__name__}")
         if not plain and not shapes:
             raise ConfigError("a step table needs the plain step or at least one speculative shape")
         if isinstance(draft_sync, str):
@@ -212,7 +216,10 @@ class StepTable:
         self.prompt_buckets = tuple(prompt_buckets)
         self.max_seq_len = max_seq_len
         self.check_finite, self.time_phases = check_finite, time_phases
-        self.tree_hook, self.hook_width = tree_hook, hook_width
+        self.proposer = proposer
+        # Seconds spent in each phase of the speculative steps run under time_phases
+        # ("wait": draining work queued before the draft phase).
+        self.phase_seconds = {"wait": 0.0, "draft": 0.0, "verify": 0.0}
         self.mesh = mesh or default_mesh()
         self.multi_process = spans_processes(self.mesh)
         # Which kernels every graph runs, decided once (runtime.plan.resolve_plan, by the
@@ -253,7 +260,7 @@ class StepTable:
 
     def _state_spec(self, b: int) -> SpecState:
         return state_spec(self.target, self.draft, list(self.shapes), b, self.max_seq_len,
-                          cache_align=self.cache_align, hook_width=self.hook_width, deferred=self.draft_sync.deferred)
+                          cache_align=self.cache_align, deferred=self.draft_sync.deferred)
 
     def _batch_sharding(self, b: int, ndim: int) -> NamedSharding:
         """Arrays of ``b`` rows (axis 0): rows on "data" when it divides ``b`` (``sharding.batch_rules``)."""
@@ -315,21 +322,18 @@ class StepTable:
         psh = self.param_shardings
         bsh, hsh = self._batch_sharding, self._host_sharding
         fin = (lambda b: hsh(b, 1)) if self.check_finite else (lambda b: None)
-        hook = self.tree_hook
+        proposer, width = self.proposer, self.proposer.row_width
 
         for p in self.prompt_buckets:
             for n in self.prefill_batches[p]:
-                def prefill(params, tokens, lengths, samp, hook_data, n=n):
+                def prefill(params, tokens, lengths, samp, n=n):
                     t, d = self._modules(params)
                     state = init_from_spec(self._specs[n])
-                    if hook_data is not None:
-                        state = dataclasses.replace(state, hook_data=hook_data)
                     return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False, plan=self.plan)
 
                 _, sh = self._structs(n)
-                hd = self._int_struct(n, self.hook_width) if self.hook_width else None
-                args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n), hd)
-                in_sh = (psh, bsh(n, 2), bsh(n, 1), self._samp_shardings(n), None if hd is None else bsh(n, 2))
+                args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n))
+                in_sh = (psh, bsh(n, 2), bsh(n, 1), self._samp_shardings(n))
                 jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, hsh(n, 1)), (), args)))
 
         for b in self.batch_buckets:
@@ -358,19 +362,21 @@ class StepTable:
                 jobs.append((f"resize {b}->{other}", ("gather", b, other),
                              self._thunk(gather, (sh, bsh(other, 1)), osh, (), (st, self._int_struct(other)))))
             samp = self._samp_struct(b)
+            # The proposer's per-row data (None without: no argument to pass).
+            rows, rows_sh = (self._int_struct(b, width), bsh(b, 2)) if width else (None, None)
             for shape in ((None,) if self.plain else ()) + self.shapes:
                 if shape is not None and self.time_phases:
-                    def draft_phase(params, dcache, state, samp, shape=shape):
+                    def draft_phase(params, dcache, state, samp, rows, shape=shape):
                         t, d = self._modules(params)
-                        return draft_phase_impl(t, d, dataclasses.replace(state, draft_cache=dcache), samp, cfg=shape, tree_hook=hook,
-                                                sync=self.draft_sync, plan=self.plan)
+                        return draft_phase_impl(t, d, dataclasses.replace(state, draft_cache=dcache), samp, cfg=shape,
+                                                proposer=proposer, rows=rows, sync=self.draft_sync, plan=self.plan)
 
                     rest = dataclasses.replace(st, draft_cache=None)
                     rest_sh = dataclasses.replace(sh, draft_cache=None)
                     tree_sh = bsh(b, 2)
                     jobs.append((f"draft phase batch {b} {shape.shape}", ("draft", b, shape),
-                                 self._thunk(draft_phase, (psh, sh.draft_cache, rest_sh, self._samp_shardings(b)),
-                                             (tree_sh, sh.draft_cache), (1,), (self.params, st.draft_cache, rest, samp))))
+                                 self._thunk(draft_phase, (psh, sh.draft_cache, rest_sh, self._samp_shardings(b), rows_sh),
+                                             (tree_sh, sh.draft_cache), (1,), (self.params, st.draft_cache, rest, samp, rows))))
                 for greedy in (True, False) if self.sampled else (True,):
                     how = "greedy" if greedy else "sampled"
                     kw = dict(greedy_only=greedy, max_seq_len=self.max_seq_len)
@@ -393,14 +399,15 @@ class StepTable:
                                      self._thunk(verify_phase, (psh, sh, bsh(b, 2), self._samp_shardings(b)), outs, (1,),
                                                  (self.params, st, tree_struct, samp))))
                     else:
-                        def spec_step(params, state, samp, shape=shape, kw=kw):
+                        def spec_step(params, state, samp, rows, shape=shape, kw=kw):
                             t, d = self._modules(params)
                             return speculative_step_impl(t, d, state, samp, cfg=shape, plan=self.plan,
-                                                         check_finite=self.check_finite, tree_hook=hook,
+                                                         check_finite=self.check_finite, proposer=proposer, rows=rows,
                                                          sync=self.draft_sync, **kw)
 
                         jobs.append((f"speculative step batch {b} {shape.shape} {how}", ("step", b, shape, greedy),
-                                     self._thunk(spec_step, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))
+                                     self._thunk(spec_step, (psh, sh, self._samp_shardings(b), rows_sh), outs, (1,),
+                                                 (self.params, st, samp, rows))))
         return jobs
 
     def _samp_shardings(self, b: int) -> SamplingArrays:
@@ -519,11 +526,11 @@ class StepTable:
         admitted together (the largest compiled one that does not exceed it)."""
         return _largest_at_most(self.prefill_batches[prompt_len], n_requests)
 
-    def prefill(self, tokens, lengths, samp: SamplingArrays, hook_data=None):
+    def prefill(self, tokens, lengths, samp: SamplingArrays):
         """Prefill ``tokens [n, p]`` (right-padded) into a fresh ``n``-row state:
         ``(row_state, first_token [n])``."""
         n, p = tokens.shape
-        return self._get(("prefill", n, p))(self.params, tokens, lengths, samp, hook_data)
+        return self._get(("prefill", n, p))(self.params, tokens, lengths, samp)
 
     def zeros(self, b: int) -> SpecState:
         return self._get(("zeros", b))()
@@ -537,10 +544,29 @@ class StepTable:
     def gather(self, state: SpecState, rows) -> SpecState:
         return self._get(("gather", state.seq_lens.shape[0], rows.shape[0]))(state, rows)
 
-    def step(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig | None, greedy: bool):
+    def step(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig | None, greedy: bool, rows=None):
         """One step (plain when ``shape`` is None): ``(state, out_tokens [B, W], accept_length [B],
-        finite [B] or None)``; the state is donated."""
-        return self._get(("step", state.seq_lens.shape[0], shape, greedy))(self.params, state, samp)
+        finite [B] or None)``; the state is donated. ``rows``: the proposer's per-row data
+        (``[B, proposer.row_width]``; None when it reads none). Under ``time_phases`` a
+        speculative step runs as its two phases, each waited for and timed."""
+        b = state.seq_lens.shape[0]
+        if shape is None:
+            return self._get(("step", b, None, greedy))(self.params, state, samp)
+        if self.proposer.row_width and rows is None:
+            raise ConfigError(f"proposer {self.proposer.describe()} reads per-row data: pass rows")
+        if not self.time_phases:
+            return self._get(("step", b, shape, greedy))(self.params, state, samp, rows)
+        t = time.perf_counter()
+        jax.block_until_ready(state)  # work queued before (prefill, insert, a plain step) is not drafting
+        t0 = time.perf_counter()
+        state, tree = self.draft_phase(state, samp, shape, rows)
+        jax.block_until_ready((state, tree))
+        t1 = time.perf_counter()
+        out = jax.block_until_ready(self.verify_phase(state, tree, samp, shape, greedy))
+        t2 = time.perf_counter()
+        for phase, s in (("wait", t0 - t), ("draft", t1 - t0), ("verify", t2 - t1)):
+            self.phase_seconds[phase] += s
+        return out
 
     def time_step(self, b: int, shape: SpeculativeConfig | None, context: int = 0) -> float:
         """Seconds of one greedy step of ``shape`` (None: plain) on a fresh state of ``b``
@@ -557,19 +583,18 @@ class StepTable:
             state = dataclasses.replace(state, seq_lens=put(), draft_len=put() if state.deferred else None)
         state = jax.block_until_ready(state)
         samp = jax.block_until_ready(self.sampling([SamplingParams()] * b, b))
+        width = self.proposer.row_width
+        rows = jax.block_until_ready(self.device_put_rows(np.zeros((b, width), np.int32))) if width else None
         t0 = time.perf_counter()
-        if shape is not None and self.time_phases:  # the step is compiled as its two phases
-            state, tree = self.draft_phase(state, samp, shape)
-            jax.block_until_ready(self.verify_phase(state, tree, samp, shape, True))
-        else:
-            jax.block_until_ready(self.step(state, samp, shape, True))
+        jax.block_until_ready(self.step(state, samp, shape, True, rows))
         return time.perf_counter() - t0
 
-    def draft_phase(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig):
-        """The first half of a speculative step: ``(state, tree)``; the input state's draft
-        cache is donated and the returned state holds the drafted one."""
+    def draft_phase(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig, rows=None):
+        """The first half of a speculative step (compiled with ``time_phases``): ``(state,
+        tree)``; the input state's draft cache is donated and the returned state holds the
+        drafted one."""
         rest = dataclasses.replace(state, draft_cache=None)
-        tree, dcache = self._get(("draft", state.seq_lens.shape[0], shape))(self.params, state.draft_cache, rest, samp)
+        tree, dcache = self._get(("draft", state.seq_lens.shape[0], shape))(self.params, state.draft_cache, rest, samp, rows)
         return dataclasses.replace(state, draft_cache=dcache), tree
 
     def verify_phase(self, state: SpecState, tree, samp: SamplingArrays, shape: SpeculativeConfig, greedy: bool):

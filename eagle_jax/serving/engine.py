@@ -60,6 +60,7 @@ from eagle_jax.serving.requests import Completion, Request, RequestProgress, che
 from eagle_jax.serving.scheduler import Scheduler
 from eagle_jax.spec.config import SpeculativeConfig
 from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import EAGLE3, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,12 @@ class Engine:
       tokenizer: for text prompts and output (default: the target directory's).
       policy: a ``SpeculationPolicy`` (default: ``default_policy(config)``, the one
         ``config.spec_policy`` names). Every shape it lists is compiled.
-      draft_hook: a tree hook traced into speculative steps, e.g. ``oracle.OracleHook``
-        (measurement only); requests then pass ``hook_data`` rows of ``hook_width`` ints.
+      proposer: what proposes the tokens speculative steps verify (``spec.steps.Proposer``;
+        default EAGLE-3's draft). The oracle (``spec.oracle.OracleProposer``) measures the
+        machinery at a chosen acceptance.
+      proposer_rows: with a proposer that reads per-request data (``row_width`` > 0),
+        ``proposer_rows(request_id, prompt_ids)`` gives a request's row when it is added
+        (truncated or zero-padded to ``row_width``; e.g. the oracle's reference sequence).
       progress: show a progress bar while compiling.
     """
 
@@ -97,9 +102,13 @@ class Engine:
     executor: Executor
 
     def __init__(self, target, draft=None, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 policy: SpeculationPolicy | None = None, draft_hook=None, hook_width: int = 0, progress: bool = True):
+                 policy: SpeculationPolicy | None = None, proposer: Proposer = EAGLE3,
+                 proposer_rows: Callable[[Any, list[int]], Sequence[int]] | None = None, progress: bool = True):
         # Everything is built before any field is set: a failure leaves nothing to call.
-        built = _build(target, draft, config, tokenizer, policy, draft_hook, hook_width, progress)
+        if (proposer.row_width > 0) != (proposer_rows is not None):
+            raise ConfigError(f"proposer {proposer.describe()} reads {proposer.row_width} ids per request: "
+                              "proposer_rows goes with a proposer that reads rows (and only then is required)")
+        built = _build(target, draft, config, tokenizer, policy, proposer, progress)
         self.config, self.target, self.draft = built.config, built.target, built.draft
         self.tokenizer, self.policy, self.table, self.description = built.tokenizer, built.policy, built.table, built.description
         self.eos_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.target.config.eos_token_ids
@@ -108,7 +117,8 @@ class Engine:
         if shapes:
             self.metrics.accepted_at_depth = np.zeros(max(s.num_steps for s in shapes), np.int64)
         self.scheduler = Scheduler(config.batch_buckets, config.prompt_buckets, config.max_batch, config.spec_hysteresis_steps)
-        self.executor = Executor(self.table, self.metrics, config.batch_buckets[0], config.time_phases)
+        self.executor = Executor(self.table, self.metrics, config.batch_buckets[0])
+        self._proposer_rows = proposer_rows
         self._pending = None  # the launched step whose results are read next
         self._last_shape: SpeculativeConfig | None = None
         self._steps_run = 0
@@ -129,11 +139,8 @@ class Engine:
         raise InputError(f"a prompt is text, a list of chat messages or a list of token ids, not {type(prompt).__name__}")
 
     def add_request(self, prompt, params: SamplingParams = SamplingParams(), *, request_id=None,
-                    on_text: Callable[[Any, str], None] | None = None, hook_data: Sequence[int] | None = None):
-        """Queue a request (text, chat messages or token ids); returns its id.
-
-        ``hook_data``: with a ``draft_hook``, this request's row of hook data (e.g. the
-        oracle's reference sequence), truncated or zero-padded to ``hook_width``."""
+                    on_text: Callable[[Any, str], None] | None = None):
+        """Queue a request (text, chat messages or token ids); returns its id."""
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self._encode(prompt)
@@ -165,15 +172,14 @@ class Engine:
             keep = min(keep, longest)
             log.warning("request %r: prompt of %d tokens truncated to its last %d (max_seq_len %d)", rid, len(ids), keep, limit)
             ids, truncated = ids[-keep:], True
-        if (hook_data is not None) != (self.table.hook_width > 0):
-            raise InputError("hook_data goes with an engine built with a draft_hook (and only then is required)")
         progress = RequestProgress(
             rid, ids, params, self.eos_ids, min(params.max_new_tokens, limit - len(ids)), self.tokenizer, on_text
         )
         row = None
-        if hook_data is not None:
-            row = np.zeros(self.table.hook_width, np.int32)
-            h = np.asarray(hook_data, np.int32)[: self.table.hook_width]
+        if self._proposer_rows is not None:
+            width = self.table.proposer.row_width
+            row = np.zeros(width, np.int32)
+            h = np.asarray(self._proposer_rows(rid, ids), np.int32)[:width]
             row[: len(h)] = h
         self.scheduler.add(Request(rid, ids, params, progress, truncated, row))
         return rid
@@ -238,19 +244,17 @@ class Engine:
             self.step()
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-                 on_text: Callable[[int, str], None] | None = None, hook_data: Sequence | None = None) -> list[Completion]:
+                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Run every prompt (text, chat messages or token ids) to completion, in order.
         ``on_text(index, delta)`` streams each request's text (index into ``prompts``)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if hook_data is not None and len(hook_data) != len(prompts):
-            raise InputError(f"{len(prompts)} prompts but {len(hook_data)} hook_data rows")
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             cb = None if on_text is None else (lambda _, d, i=i: on_text(i, d))
-            ids.append(self.add_request(p, sp, on_text=cb, hook_data=None if hook_data is None else hook_data[i]))
+            ids.append(self.add_request(p, sp, on_text=cb))
         self.run_until_done()
         done = {c.id: c for c in self.pop_finished()}
         return [done[i] for i in ids]
@@ -372,7 +376,7 @@ class _Built:
     description: str
 
 
-def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, hook_width, progress: bool) -> _Built:
+def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Proposer, progress: bool) -> _Built:
     """Load, check, compile (or raise)."""
     if not isinstance(config, EngineConfig):
         raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -389,8 +393,6 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
                           "verify phase to time")
     if shapes and draft is None:
         raise ConfigError(f"policy {type(policy).__name__} speculates ({[s.shape for s in shapes]}) but no draft was given")
-    if (draft_hook is None) != (hook_width == 0):
-        raise ConfigError("draft_hook and hook_width go together")
     target_path = target
     mesh = make_mesh(config.mesh)  # before loading: too few devices fails fast
     if spans_processes(mesh) and policy.uses_timings:
@@ -419,7 +421,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         target, draft if shapes else None, shapes=shapes, batch_buckets=config.batch_buckets,
         prompt_buckets=config.prompt_buckets, max_seq_len=config.max_seq_len,
         prefill_token_budget=config.prefill_token_budget, kernel_impl=config.kernel_impl,
-        check_finite=config.detect_nan, time_phases=config.time_phases, tree_hook=draft_hook, hook_width=hook_width,
+        check_finite=config.detect_nan, time_phases=config.time_phases, proposer=proposer,
         plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align, mesh=mesh,
         draft_sharding=config.draft_sharding,
         draft_sync=resolve_draft_sync(config.draft_sync, policy, mesh.size),  # the table ignores it without a draft
@@ -443,7 +445,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, draft_hook, h
         + feature_note
         + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
            if config.time_phases else "")
-        + ("; draft hook " + type(draft_hook).__name__ if draft_hook is not None else "")
+        + (f"; proposer {proposer.describe()}" if proposer != EAGLE3 else "")
     )
     log.info("eagle-jax engine ready: %s; %s%s", describe, report.describe(), f"; {calibration}" if calibration else "")
     return _Built(config, target, draft, tokenizer, policy, table, describe)

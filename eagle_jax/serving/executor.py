@@ -56,15 +56,19 @@ class StepResult:
 
 
 class Executor:
-    """Launches the step table's graphs on the live state.
+    """Launches the step table's graphs on the live state, and keeps the proposer's
+    per-row data (``Request.proposer_row``) beside it, moved with the rows.
 
-    ``time_phases``: speculative steps run as their draft and verify phases, each waited
-    for and timed into ``metrics.draft_s`` / ``verify_s`` (a measuring mode: the syncs cost
-    the host/device overlap)."""
+    Under the table's ``time_phases`` the speculative steps wait for each phase: the
+    executor books those seconds as device waits and into ``metrics.draft_s`` /
+    ``verify_s``."""
 
-    def __init__(self, table: StepTable, metrics: EngineMetrics, rows: int, time_phases: bool):
-        self.table, self.metrics, self.time_phases = table, metrics, time_phases
+    def __init__(self, table: StepTable, metrics: EngineMetrics, rows: int):
+        self.table, self.metrics = table, metrics
         self.state = table.zeros(rows)
+        width = table.proposer.row_width
+        self._rows = np.zeros((rows, width), np.int32) if width else None  # host copy, [B, W]
+        self._rows_dev = None  # its device copy (None: put it again)
         self._samp = None  # sampling arrays of the current rows (None: rebuild)
         self._greedy_only = True
         self._other_work = False  # device work queued since the last step (not a steady interval)
@@ -91,6 +95,8 @@ class Executor:
         self.state = self._launch(t.gather, self.state, t.device_put_rows(np.asarray(rows, np.int32)))
         self._other_work = True
         self._samp = None
+        if self._rows is not None:
+            self._rows, self._rows_dev = self._rows[np.asarray(rows)], None
 
     def prefill(self, p_len: int, seated: list[tuple[Request, int]]) -> None:
         """Prefill ``seated`` requests' prompts (padded to ``p_len``) in one call and insert
@@ -102,12 +108,15 @@ class Executor:
             tokens[i, : len(req.prompt)] = req.prompt
             lengths[i] = len(req.prompt)
         samp = t.sampling([req.params for req, _ in seated], n)
-        hook = t.device_put_rows(np.stack([req.hook_data for req, _ in seated])) if t.hook_width else None
         self._other_work = True  # the next step's interval would include this prefill
-        rows_state, first = self._launch(t.prefill, t.device_put_rows(tokens), t.device_put_rows(lengths), samp, hook)
+        rows_state, first = self._launch(t.prefill, t.device_put_rows(tokens), t.device_put_rows(lengths), samp)
         rows = t.device_put_rows(np.asarray([row for _, row in seated], np.int32))
         self.state = self._launch(t.insert, self.state, rows_state, rows)
         self._samp = None
+        if self._rows is not None:
+            for req, row in seated:
+                self._rows[row] = req.proposer_row
+            self._rows_dev = None
         self._first_tokens.append(([req for req, _ in seated], first))
 
     def _sampling(self, slots: list[Request | None]):
@@ -125,35 +134,25 @@ class Executor:
         key = (b, shape)
         steady = in_flight and not self._other_work and key == self._last_key
         self._other_work, self._last_key = False, key
-        if shape is not None and self.time_phases:
-            out = self._phased_step(samp, shape)
-        else:
-            out = self._launch(self.table.step, self.state, samp, shape, self._greedy_only)
-        self.state, tokens, accepted, finite = out
+        rows = None
+        if shape is not None and self._rows is not None:
+            if self._rows_dev is None:
+                self._rows_dev = self.table.device_put_rows(self._rows)
+            rows = self._rows_dev
+        phases = sum(self.table.phase_seconds.values())
+        draft, verify = self.table.phase_seconds["draft"], self.table.phase_seconds["verify"]
+        state, self.state = self.state, None  # donated to the step (a failure leaves no stale state to reuse)
+        self.state, tokens, accepted, finite = self._launch(self.table.step, state, samp, shape, self._greedy_only, rows)
+        waited = sum(self.table.phase_seconds.values()) - phases
+        if waited:  # time_phases: the step waited for its phases; that is device time, not dispatch
+            m = self.metrics
+            m.draft_s += self.table.phase_seconds["draft"] - draft
+            m.verify_s += self.table.phase_seconds["verify"] - verify
+            m.dispatch_s -= waited
+            m.device_wait_s += waited
         self._steps += 1
         firsts, self._first_tokens = self._first_tokens, []
         return InFlight(list(slots), tokens, accepted, finite, shape, b, self._steps, firsts, steady)
-
-    def _phased_step(self, samp, shape: SpeculativeConfig):
-        """The speculative step as its draft and verify phases, each waited for and timed."""
-        m = self.metrics
-        t = time.perf_counter()
-        jax.block_until_ready(self.state)  # work queued before (prefill, insert, a plain step) is not drafting
-        t0 = time.perf_counter()
-        m.device_wait_s += t0 - t
-        launched = m.dispatch_s
-        state, tree = self._launch(self.table.draft_phase, self.state, samp, shape)
-        self.state = None  # its draft cache was donated
-        jax.block_until_ready((state, tree))
-        t1 = time.perf_counter()
-        out = self._launch(self.table.verify_phase, state, tree, samp, shape, self._greedy_only)
-        jax.block_until_ready(out)
-        t2 = time.perf_counter()
-        m.draft_s += t1 - t0
-        m.verify_s += t2 - t1
-        # The time past the launches was spent waiting for the device.
-        m.device_wait_s += (t2 - t0) - (m.dispatch_s - launched)
-        return out
 
     def read(self, f: InFlight) -> StepResult:
         """Wait for ``f``'s results and bring them to the host."""

@@ -151,7 +151,7 @@ class SpeculativeGenerator(_Wrapper):
         Args:
           oracle: per prompt, the full sequence (prompt + continuation) the target is
             known to produce greedily; its tokens replace the draft's proposals (the
-            ``oracle.OracleHook`` draft hook), with a fraction ``oracle_noise`` made wrong.
+            ``oracle.OracleProposer``), with a fraction ``oracle_noise`` made wrong.
         """
         prompts, params = self._check(prompts, params)
         if oracle is not None and len(oracle) != len(prompts):
@@ -165,13 +165,21 @@ class SpeculativeGenerator(_Wrapper):
         if oracle is None:
             engine = self._engine((cfg, None), lambda: Engine(self.target, self.draft, cfg, self.tokenizer, policy=policy(), progress=False))
             return engine.generate(prompts, params, on_text=on_text)
-        from eagle_jax.spec.oracle import OracleHook
+        from eagle_jax.spec.oracle import OracleProposer
 
-        hook = OracleHook(noise=float(oracle_noise), vocab_size=self.target.config.vocab_size)
         width = cfg.max_seq_len + self.spec.num_draft_tokens
-        engine = self._engine((cfg, hook), lambda: Engine(
-            self.target, self.draft, cfg, self.tokenizer, policy=policy(), draft_hook=hook, hook_width=width, progress=False))
-        return engine.generate(prompts, params, on_text=on_text, hook_data=[list(o) for o in oracle])
+        oracle_proposer = OracleProposer(row_width=width, noise=float(oracle_noise), vocab_size=self.target.config.vocab_size)
+        # The engine is kept between calls; each request's row is this call's oracle
+        # sequence for its prompt (the longest, where a prompt repeats: they agree).
+        rows: dict = {}
+        for p, o in zip(prompts, oracle):
+            if len(o) > len(rows.get(tuple(p), ())):
+                rows[tuple(p)] = list(o)
+        self._oracle_rows = rows
+        engine = self._engine((cfg, oracle_proposer), lambda: Engine(
+            self.target, self.draft, cfg, self.tokenizer, policy=policy(), proposer=oracle_proposer,
+            proposer_rows=lambda rid, prompt: self._oracle_rows[tuple(prompt)], progress=False))
+        return engine.generate(prompts, params, on_text=on_text)
 
 
 def speculative_generate(

@@ -199,13 +199,13 @@ class Completion:
 class Request:
     """One request inside the engine: its prompt ids, sampling settings, progress and timing."""
 
-    def __init__(self, rid, prompt: list[int], params: SamplingParams, progress: RequestProgress, truncated: bool, hook_data=None):
+    def __init__(self, rid, prompt: list[int], params: SamplingParams, progress: RequestProgress, truncated: bool, proposer_row=None):
         self.id = rid
         self.prompt = prompt
         self.params = params
         self.progress = progress
         self.truncated = truncated
-        self.hook_data = hook_data
+        self.proposer_row = proposer_row  # the proposer's data for this request (None: it reads none)
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.cancelled = False
 

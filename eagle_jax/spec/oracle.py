@@ -1,10 +1,11 @@
-"""The oracle proposer: a draft hook (``speculative.TreeHook``) for measuring the
-speculative machinery at a chosen acceptance, outside every production signature.
+"""The oracle proposer (``steps.Proposer``): measures the speculative machinery at a
+chosen acceptance, outside every production signature.
 
-The engine carries each request's reference sequence (prompt plus the continuation the
-target is known to produce greedily) in ``SpecState.hook_data``; the hook substitutes
-its tokens for the draft's along the tree's first-child path, a fraction ``noise`` made
-wrong. With noise 0 every draft is accepted; with noise, partial acceptance.
+Each request's proposer row is its reference sequence (prompt plus the continuation
+the target is known to produce greedily; ``Engine(proposer=..., proposer_rows=...)``);
+the oracle substitutes its tokens for the draft's along the tree's first-child path, a
+fraction ``noise`` made wrong. With noise 0 every draft is accepted; with noise, partial
+acceptance.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eagle_jax.spec.sampling import SamplingArrays, position_keys
-from eagle_jax.spec.steps import SpecState, Tree
+from eagle_jax.spec.steps import Proposer, SpecState, Tree
 from pallas_kernels.tree import tree_links
 
 
@@ -50,10 +51,10 @@ def apply_oracle(
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleHook:
-    """``tree_hook`` for the step table: replace draft tokens by ``state.hook_data``'s
-    reference tokens, wrong with probability ``noise`` (keyed by request seed and position,
-    so runs are reproducible). Frozen and hashable: it is part of a compiled graph."""
+class OracleProposer(Proposer):
+    """Replace draft tokens by each row's reference tokens (its proposer row, of
+    ``row_width`` ids: the longest prompt plus continuation it may need), wrong with
+    probability ``noise`` (keyed by request seed and position, so runs are reproducible)."""
 
     noise: float = 0.0
     vocab_size: int = 0
@@ -61,9 +62,14 @@ class OracleHook:
     def __post_init__(self):
         if not 0 <= self.noise <= 1:
             raise ValueError(f"oracle noise={self.noise} must be in [0, 1]")
+        if self.row_width < 1:
+            raise ValueError(f"the oracle reads a reference row per request: row_width={self.row_width} must be >= 1")
 
-    def __call__(self, tree: Tree, state: SpecState, samp: SamplingArrays) -> Tree:
+    def propose(self, tree: Tree, state: SpecState, samp: SamplingArrays, rows) -> Tree:
         t = tree.tokens.shape[1]
         noise_key = jax.vmap(lambda k: jax.random.fold_in(k, 3))(position_keys(samp.key, state.seq_lens))
         noise_u = jax.vmap(lambda k: jax.random.uniform(k, (t,)))(noise_key)
-        return apply_oracle(tree, state.hook_data, state.seq_lens, noise_u, self.noise, self.vocab_size)
+        return apply_oracle(tree, rows, state.seq_lens, noise_u, self.noise, self.vocab_size)
+
+    def describe(self) -> str:
+        return f"oracle (noise {self.noise:g}; measurement only)"

@@ -41,7 +41,6 @@ every step function takes ``plan=`` (``kernels.plan.ExecutionPlan``, resolved on
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,10 +74,6 @@ class SpecState:
     seq_lens: Int[Array, "B"]
     root: Int[Array, "B"]
     draft_hidden: Float[Array, "B H"]
-    # Per-row data for a draft hook (``tree_hook``), e.g. the oracle's reference
-    # sequences [B, L]; None in production. In the state so row inserts, gathers and
-    # donation carry it like every other row.
-    hook_data: Array | None = None
     # Deferred draft sync (``DraftSync``; all three None when the draft is kept in sync
     # eagerly): ``draft_len[b]`` positions have their draft KV written (the draft is in
     # sync when it equals ``seq_lens[b]``; ``draft_hidden`` is valid only then), and
@@ -389,21 +384,39 @@ def _step_keys(samp: SamplingArrays, seq_lens):
     return coin_key, bonus_key
 
 
-# A draft hook rewrites the drafted tree before verification: ``hook(tree, state, samp)
-# -> tree``, traced into the step. Production steps have none; measurement harnesses (the
-# oracle proposer in ``eagle_jax.spec.oracle``) use it, reading per-row data from
-# ``state.hook_data``.
-TreeHook = Callable[["Tree", SpecState, SamplingArrays], "Tree"]
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    """What proposes the tokens a speculative step verifies.
+
+    The base is EAGLE-3: the draft's tree as ``draft_tree`` grew it (``EAGLE3``). A
+    subclass may rewrite that tree before verification, e.g. the oracle of
+    ``eagle_jax.spec.oracle``, which measures the machinery at a chosen acceptance.
+    ``row_width`` > 0: ``propose`` reads ``rows`` ([B, row_width] int32, one row per
+    request, kept by the engine beside the state and moved with its rows); 0: none.
+    Frozen and hashable: a proposer is part of the compiled graphs.
+    """
+
+    row_width: int = 0
+
+    def propose(self, tree: "Tree", state: SpecState, samp: SamplingArrays, rows: Int[Array, "B W"] | None) -> "Tree":
+        return tree
+
+    def describe(self) -> str:
+        return "EAGLE-3 draft"
+
+
+EAGLE3 = Proposer()
 
 
 def draft_phase_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, *,
-    cfg: SpeculativeConfig, tree_hook: TreeHook | None = None, sync: DraftSync = DraftSync(),
-    plan: ExecutionPlan = XLA_PLAN,
+    cfg: SpeculativeConfig, proposer: Proposer = EAGLE3, rows: Int[Array, "B W"] | None = None,
+    sync: DraftSync = DraftSync(), plan: ExecutionPlan = XLA_PLAN,
 ) -> tuple[Tree, KVCache]:
     """The draft phase of a speculative step: catch the draft up on what a deferred sync
     left pending (``catch_up_draft``; nothing for an eager state), grow the tree
-    (``draft_tree``), then let ``tree_hook`` (if any) rewrite it.
+    (``draft_tree``), then hand it to the ``proposer`` (EAGLE-3 keeps it as it is;
+    ``rows``: the proposer's per-row data).
 
     Reads ``state.draft_cache``, ``state.draft_hidden``, ``state.seq_lens``, ``state.root``
     (and a deferred state's pending inputs); the target cache is untouched.
@@ -416,8 +429,7 @@ def draft_phase_impl(
     state = catch_up_draft(draft, state, sync, plan)
     with jax.named_scope("draft"):
         tree, dcache = draft_tree(draft, state.draft_cache, state, cfg, plan)
-        if tree_hook is not None:
-            tree = tree_hook(tree, state, samp)
+        tree = proposer.propose(tree, state, samp, rows)
     return tree, dcache
 
 
@@ -461,8 +473,8 @@ def verify_phase_impl(
 def speculative_step_impl(
     target: TargetModel, draft: Eagle3Draft, state: SpecState, samp: SamplingArrays, *,
     cfg: SpeculativeConfig, greedy_only: bool, max_seq_len: int,
-    check_finite: bool = False, tree_hook: TreeHook | None = None, sync: DraftSync = DraftSync(),
-    plan: ExecutionPlan = XLA_PLAN,
+    check_finite: bool = False, proposer: Proposer = EAGLE3, rows: Int[Array, "B W"] | None = None,
+    sync: DraftSync = DraftSync(), plan: ExecutionPlan = XLA_PLAN,
 ):
     """One speculative step: draft, verify, accept, commit, draft extend — the draft
     phase then the verify phase, traced into one graph (the default, fused step).
@@ -472,7 +484,7 @@ def speculative_step_impl(
     emitted tokens of row b are ``out_tokens[b, :accept_length[b]]``; ``finite`` ([B],
     only with ``check_finite``) says whether the row's verify logits were all finite.
     """
-    tree, dcache = draft_phase_impl(target, draft, state, samp, cfg=cfg, tree_hook=tree_hook, sync=sync, plan=plan)
+    tree, dcache = draft_phase_impl(target, draft, state, samp, cfg=cfg, proposer=proposer, rows=rows, sync=sync, plan=plan)
     return verify_phase_impl(
         target, draft, state, tree, dcache, samp, cfg=cfg, greedy_only=greedy_only, max_seq_len=max_seq_len,
         check_finite=check_finite, plan=plan,
@@ -548,15 +560,14 @@ def prefill_impl(
 
 def state_spec(
     target: TargetModel, draft: Eagle3Draft | None, shapes: "list[SpeculativeConfig]", batch: int, max_seq_len: int,
-    *, cache_align: int = 1, hook_width: int = 0, deferred: bool = False,
+    *, cache_align: int = 1, deferred: bool = False,
 ) -> SpecState:
     """The abstract step state (``ArraySpec`` leaves) for ``batch`` rows, sized for the
     largest of ``shapes`` so every compiled step shares one state layout.
 
     The target cache holds ``max_seq_len`` plus one tree of the widest shape, rounded up
     to ``cache_align`` slots (the tree-attention kernel's block, on GPUs); the draft cache
-    also holds the drafting scratch slots. ``hook_width`` > 0 adds a ``[B, hook_width]``
-    int32 ``hook_data`` (the oracle's reference rows). ``deferred`` (with a draft) adds the
+    also holds the drafting scratch slots. ``deferred`` (with a draft) adds the
     deferred sync's ``draft_len`` and pending inputs, ``max_seq_len`` positions each."""
     shapes = list(shapes) or [SpeculativeConfig(num_steps=1)]
     t_len = max_seq_len + max(c.num_draft_tokens for c in shapes)
@@ -569,7 +580,6 @@ def state_spec(
         seq_lens=ArraySpec((batch,), jnp.dtype(jnp.int32), ("batch",)),
         root=ArraySpec((batch,), jnp.dtype(jnp.int32), ("batch",)),
         draft_hidden=None if draft is None else ArraySpec((batch, draft.config.hidden_size), dtype, ("batch", "embed")),
-        hook_data=ArraySpec((batch, hook_width), jnp.dtype(jnp.int32), ("batch", None)) if hook_width else None,
         **(_deferred_spec(draft, batch, max_seq_len, dtype) if deferred and draft is not None else {}),
     )
 

@@ -445,7 +445,7 @@ def section_lossless(rec: Record, out: Path) -> None:
     import numpy as np
 
     from eagle_jax.serving.engine import Engine, EngineConfig
-    from eagle_jax.spec.oracle import OracleHook
+    from eagle_jax.spec.oracle import OracleProposer
     from eagle_jax.serving.policy import FixedPolicy, PlainPolicy
     from eagle_jax.spec.sampling import SamplingParams
 
@@ -464,8 +464,9 @@ def section_lossless(rec: Record, out: Path) -> None:
                               speculative=chain, spec_policy="auto", spec_shapes=(chain, tree),
                               spec_calibration_s=2.0, kernel_impl=kernel_impl, draft_sync="eager")
         t0 = time.perf_counter()
-        engine = Engine(target, draft, config, draft_hook=OracleHook(noise=noise, vocab_size=vocab),
-                        hook_width=max_seq, progress=False)
+        oracle_rows: dict = {}  # prompt -> its oracle row, set per run below
+        engine = Engine(target, draft, config, proposer=OracleProposer(row_width=max_seq, noise=noise, vocab_size=vocab),
+                        proposer_rows=lambda rid, prompt: oracle_rows[tuple(prompt)], progress=False)
         build_s = time.perf_counter() - t0
         auto = engine.policy
         table = engine.table
@@ -484,9 +485,11 @@ def section_lossless(rec: Record, out: Path) -> None:
         zeros = [[0] * max_seq] * n_prompts
 
         def generate(params, hook, batch):
+            oracle_rows.clear()
+            oracle_rows.update({tuple(p): h for p, h in zip(prompts, hook)})
             if batch > 1:
-                return engine.generate(prompts, params, hook_data=hook)
-            return [engine.generate([p], [sp], hook_data=[h])[0] for p, sp, h in zip(prompts, params, hook)]
+                return engine.generate(prompts, params)
+            return [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
 
         for batch in buckets:
             for how, params in (("greedy", greedy), ("sampled", sampled)):
