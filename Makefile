@@ -71,7 +71,8 @@ bench: install-test model
 	$(VPY) -m eagle_jax.cli bench --draft $(DRAFT_DIR) --batch-sizes 1 4 16 --policies fixed auto
 	$(VPY) scripts/bench_decode.py
 	$(VPY) scripts/bench_spec.py
-	$(VPY) scripts/bench_draft.py --draft $(DRAFT_DIR) --configs "chain S=2" "chain S=3" "tree S=3 k=4 T=8"
+	$(VPY) -m eagle_jax.cli eval-draft --draft $(DRAFT_DIR) --suite held_out --shapes 2 3 3/4/8 --repeats 3 \
+	  --out results/eval_draft_held_out.json
 	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS)
 	$(VPY) scripts/bench_engine.py $(BENCH_ENGINE_ARGS) --batches 1 4 --time-phases
 	$(VPY) scripts/bench_mixed_prompts.py

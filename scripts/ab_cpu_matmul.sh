@@ -19,10 +19,10 @@ for r in $(seq 1 "$ROUNDS"); do
       --out "$OUT/spec-$m-$r.json" > "$OUT/spec-$m-$r.log" 2>&1
   done
 done
-OUT="$OUT" ROUNDS="$ROUNDS" PYTHONPATH=scripts $PY - <<'PYEOF'
+OUT="$OUT" ROUNDS="$ROUNDS" $PY - <<'PYEOF'
 import json, os, statistics
 from pathlib import Path
-from bench_policy import fingerprint
+from eagle_jax.environment import fingerprint
 out, rounds = Path(os.environ["OUT"]), int(os.environ["ROUNDS"])
 ms = {}
 for m in ("xla", "auto"):
@@ -43,7 +43,7 @@ for m in ("xla", "auto"):
         if k != "plain":
             rows_k = next(r for r in rows if r["step"] == k)
             rows_k[f"break_even_{'packed' if m == 'auto' else 'xla'}"] = round(med[m][k] / med[m]["plain"], 3)
-summary = {"command": f"OUT={out} ROUNDS={rounds} scripts/ab_cpu_matmul.sh", "environment": fingerprint(), "rows": rows}
+summary = {"command": f"OUT={out} ROUNDS={rounds} scripts/ab_cpu_matmul.sh", "environment": fingerprint("float32"), "rows": rows}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 for r in rows:
     print(r)

@@ -31,13 +31,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policy import fingerprint  # noqa: E402
-
-from eagle_jax.checkpoint.hf import load_model  # noqa: E402
-from eagle_jax.defaults import default_model_dir  # noqa: E402
-from eagle_jax.runtime.step_table import StepTable  # noqa: E402
-from eagle_jax.spec.sampling import SamplingParams  # noqa: E402
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.defaults import default_model_dir
+from eagle_jax.environment import fingerprint
+from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.spec.sampling import SamplingParams
 
 PATHS = ("xla", "kernel")
 
@@ -118,7 +116,7 @@ def main() -> int:
                 print(f"batch {b:3d} {profile:6s} {m:9s}: XLA loop {row['xla_ms']:7.1f} ms, kernel {row['kernel_ms']:7.1f} ms "
                       f"({row['kernel_over_xla']:.2f}x)", flush=True)
         del tables
-    result = {"command": "python scripts/bench_attention.py " + " ".join(sys.argv[1:]), "environment": fingerprint(),
+    result = {"command": "python scripts/bench_attention.py " + " ".join(sys.argv[1:]), "environment": fingerprint("float32"),
               "cache_slots": args.cache, "steps_per_run": args.steps, "rounds": args.rounds, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import numpy as np
 from eagle_jax.experiments.bench import matvec_bandwidth, weight_bytes_per_step
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
+from eagle_jax.environment import fingerprint
+from eagle_jax.experiments.harness import timed_generate
 from eagle_jax.serving.generate import Buckets, Generator
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.spec.sampling import SamplingParams
@@ -140,9 +143,7 @@ def main():
         gen.generate(batch_prompts, sp)  # warm
         e2e = []
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            out = gen.generate(batch_prompts, sp)
-            e2e.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t))
+            e2e.append(timed_generate(gen, batch_prompts, sp)[1])
         e2e_tps = statistics.median(e2e)
         hf_tps = None if args.no_transformers else hf_generate_tps(model_dir, batch_prompts, args.new_tokens, max(1, args.repeats // 2))
         row = {
@@ -163,7 +164,7 @@ def main():
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "jax": jax.__version__, "platform": jax.devices()[0].platform, "cores": os.cpu_count(),
+        "command": "python scripts/bench_decode.py " + " ".join(sys.argv[1:]), "environment": fingerprint("float32"),
         "matvec_GBps": bw / 1e9, "weight_MB_per_step": wbytes / 1e6, "roofline_steps_per_s": roofline,
         "new_tokens": args.new_tokens, "rows": rows,
     }, indent=2))

@@ -28,7 +28,7 @@ import jax
 from eagle_jax.checkpoint.draft_io import load_draft, random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_draft_dir, default_model_dir
-from eagle_jax.experiments.evaluate import environment
+from eagle_jax.environment import fingerprint
 from eagle_jax.serving.policy import parse_shapes
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.spec.sampling import SamplingParams
@@ -94,7 +94,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python scripts/bench_draft_sharding.py " + " ".join(sys.argv[1:]),
-        "environment": environment(args.dtype), "mesh": describe_mesh(mesh), "rounds": args.rounds,
+        "environment": fingerprint(args.dtype), "mesh": describe_mesh(mesh), "rounds": args.rounds,
         "rows": rows, "samples_s": samples,
     }, indent=1))
     print(f"saved {args.out}")

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +34,8 @@ import jax
 from eagle_jax.checkpoint.draft_io import load_draft, random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
+from eagle_jax.environment import fingerprint
+from eagle_jax.experiments.harness import timed_generate
 from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.steps import SpeculativeConfig
@@ -56,9 +59,8 @@ def run(engine: Engine, prompts, sp, repeats: int) -> dict:
     rates, hosts, drafts, verifies = [], [], [], []
     for _ in range(repeats):
         before = (m.wall_s, m.host_s, m.spec_steps, m.draft_s, m.verify_s)
-        t = time.perf_counter()
-        out = engine.generate(prompts, sp)
-        rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t))
+        out, rate = timed_generate(engine, prompts, sp)
+        rates.append(rate)
         hosts.append((m.host_s - before[1]) / max(m.wall_s - before[0], 1e-9))
         n_spec = m.spec_steps - before[2]
         if m.phase_timing and n_spec:  # time_phases: per speculative step of this run
@@ -144,7 +146,8 @@ def main():
             print(f"{b:>6}{ms(on['draft_ms_per_step']):>10}{ms(on['verify_ms_per_step']):>11}{share:>9}"
                   f"{ms(cut['draft_ms_per_step']):>14}{ms(cut['verify_ms_per_step']):>15}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"draft": repo_path(args.draft) if args.draft else "random", "threshold": args.threshold, "steps": args.steps, "topk": spec.topk, "draft_tokens": spec.num_draft_tokens,
+    args.out.write_text(json.dumps({"command": "python scripts/bench_engine.py " + " ".join(sys.argv[1:]),
+                                    "environment": fingerprint("float32"), "draft": repo_path(args.draft) if args.draft else "random", "threshold": args.threshold, "steps": args.steps, "topk": spec.topk, "draft_tokens": spec.num_draft_tokens,
                                     "new_tokens": args.new_tokens, "time_phases": args.time_phases, "rows": rows}, indent=2))
     print(f"saved {args.out}")
 

@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-
-from eagle_jax.checkpoint.hf import load_model  # noqa: E402
-from eagle_jax.defaults import default_model_dir, pow2_at_least, prompt_buckets_for  # noqa: E402
-from eagle_jax.serving.engine import Engine, EngineConfig  # noqa: E402
-from eagle_jax.spec.sampling import SamplingParams  # noqa: E402
-from eagle_jax.checkpoint.tokenizer import Tokenizer  # noqa: E402
-from eagle_jax.train.synthetic_prompts import synthetic_prompts  # noqa: E402
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.defaults import default_model_dir, pow2_at_least, prompt_buckets_for
+from eagle_jax.environment import fingerprint
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.checkpoint.tokenizer import Tokenizer
+from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
 
 def engine_for(target, tok, prompts, new_tokens):
@@ -79,8 +74,7 @@ def main() -> int:
     alone = statistics.median(before + after)
     res = {
         "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-        "env": {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "cpu": platform.processor() or platform.machine(),
-                "cpu_count": os.cpu_count()},
+        "environment": fingerprint("float32"),
         "short_prompt_tokens": [len(s) for s in short], "long_prompt_tokens": args.long_tokens, "new_tokens": args.new_tokens,
         "mixed_engine": repr(mixed_engine), "alone_engine": repr(alone_engine),
         "short_alone_s": {"median_first_run": statistics.median(before), "median_last_run": statistics.median(after)},

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.models.deepseek import experts_forward, moe_impl_for
-from eagle_jax.experiments.evaluate import environment
+from eagle_jax.environment import fingerprint
 from eagle_jax.models.quant import Int4Weight
 
 SHAPES = {
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                       + "  ".join(f"{m} {med[m]:8.3f}" for m in IMPLS)
                       + f"  best {best:6s} rule {rule:6s} ({row['rule_vs_best']:.2f}x)", flush=True)
     out = {"command": " ".join(["scripts/bench_moe.py", *(argv if argv is not None else sys.argv[1:])]),
-           "environment": environment("float32"), "rounds": rounds, "results": rows}
+           "environment": fingerprint("float32"), "rounds": rounds, "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

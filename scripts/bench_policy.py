@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import jax
-
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.defaults import default_model_dir, enable_compilation_cache
+from eagle_jax.environment import fingerprint
+from eagle_jax.experiments.harness import timed_generate
 from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.serving.policy import DEFAULT_AUTO_SHAPES, FixedPolicy, PlainPolicy, ThresholdPolicy, parse_shapes
 from eagle_jax.spec.sampling import SamplingParams
@@ -43,29 +40,14 @@ from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 from eagle_jax.checkpoint.tokenizer import Tokenizer
 from eagle_jax.train.synthetic_prompts import synthetic_prompts
 
-from bench_engine import REPO, repo_path  # noqa: E402  (scripts/ is on the path when run as a script)
+REPO = Path(__file__).resolve().parents[1]
 
 
-def fingerprint() -> dict:
-    """What the figures depend on: versions, commit, CPU."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = None, None
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-        simd = sorted({f for f in flags.split() if f.startswith(("avx512f", "avx2", "amx", "avx512_vnni", "avx512_bf16"))})
-    except (OSError, StopIteration):
-        simd = []
-    return {"jax": jax.__version__, "backend": jax.default_backend(), "cores": os.cpu_count(), "cpu": cpu,
-            "simd": simd, "python": platform.python_version(), "commit": commit, "dirty": dirty}
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when inside it, else its last component, so
+    results/ files hold no machine's absolute paths."""
+    resolved = Path(path).resolve()
+    return resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else resolved.name
 
 
 def run(engine: Engine, prompts, sp, policy) -> dict:
@@ -73,16 +55,14 @@ def run(engine: Engine, prompts, sp, policy) -> dict:
     engine.use_policy(policy)
     m = engine.metrics
     before = collections.Counter(m.steps_by_bucket)
-    step_s, step_tokens = sum(m.timed_step_s.values()), sum(m.timed_tokens.values())
-    t = time.perf_counter()
-    out = engine.generate(prompts, sp)
-    rate = sum(len(c.token_ids) for c in out) / (time.perf_counter() - t)
+    step_s, step_tokens = sum(m.timings.seconds.values()), sum(m.timings.tokens.values())
+    out, rate = timed_generate(engine, prompts, sp)
     ran = collections.Counter(m.steps_by_bucket)
     ran.subtract(before)
     accepts = [a for c in out for a in c.accept_lengths]
     # Decode only: the tokens of the engine's timed steady-state steps over their time (no
     # prefill, no host loop between steps), beside the whole run's rate.
-    step_s, step_tokens = sum(m.timed_step_s.values()) - step_s, sum(m.timed_tokens.values()) - step_tokens
+    step_s, step_tokens = sum(m.timings.seconds.values()) - step_s, sum(m.timings.tokens.values()) - step_tokens
     return {"tokens_per_s": rate, "decode_tokens_per_s": step_tokens / step_s if step_s > 0 else None,
             "steps": {f"{b}: {name}": n for (b, name), n in ran.items() if n > 0},
             "mean_accept_length": sum(accepts) / len(accepts) if accepts else None}
@@ -154,8 +134,8 @@ def main():
     modes = {"plain": PlainPolicy(), **{s.shape: FixedPolicy(s) for s in shapes},
              f"threshold {args.threshold} ({threshold_shape.shape})": ThresholdPolicy(threshold_shape, args.threshold),
              "auto": auto}
-    fp = fingerprint()
-    print(f"{fp['cpu']} ({fp['cores']} cores, {' '.join(fp['simd'])}); jax {fp['jax']}; SmolLM2 float32; "
+    fp = fingerprint("float32")
+    print(f"{fp['cpu']} ({fp['cpu_count']} cores, {' '.join(fp['cpu_flags'])}); jax {fp['packages'].get('jax')}; SmolLM2 float32; "
           f"draft {repo_path(args.draft) if args.draft else 'random (8192 vocab)'}; built and calibrated in {build_s:.0f} s")
     print(auto.calibration and f"calibration: {auto.calibration.rounds} rounds in {auto.calibration.wall_s:.1f} s")
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -202,7 +182,7 @@ def main():
         print(f"{name:<34}" + "".join(f"{r['modes'][name]['decode_tokens_per_s'] or float('nan'):>9.1f}" for r in rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = args.out.with_suffix(".png")
-    title = (f"SmolLM2-135M fp32, {fp['cpu']} ({fp['cores']} cores); draft "
+    title = (f"SmolLM2-135M fp32, {fp['cpu']} ({fp['cpu_count']} cores); draft "
              f"{repo_path(args.draft) if args.draft else 'random'}; {args.new_tokens} new tokens, median of {args.repeats}")
     plot(rows, list(modes), png, title)
     args.out.write_text(json.dumps({

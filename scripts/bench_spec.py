@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from eagle_jax.kernels import cpu_matmul
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
+from eagle_jax.environment import fingerprint
 from eagle_jax.serving.generate import Buckets, Generator, SpeculativeGenerator
 from eagle_jax.models.llama import BoundModules
 from eagle_jax.runtime.step_table import StepTable
@@ -285,7 +287,8 @@ def main():
               f"(mean accept {r['mean_accept']:.3f}): slowdown {slowdown:.2f}x, {predicted}")
         results.append({"batch": b, "random_draft_check": name(cfg), **r, "slowdown": slowdown, "predicted": be / r["mean_accept"]})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"jax": jax.__version__, "draft_vocab": args.draft_vocab, "context": CACHE_LEN,
+    args.out.write_text(json.dumps({"command": "python scripts/bench_spec.py " + " ".join(sys.argv[1:]),
+                                    "environment": fingerprint("float32"), "draft_vocab": args.draft_vocab, "context": CACHE_LEN,
                                     "body_matmuls": body_matmuls, "results": results}, indent=2))
     print(f"\nsaved {args.out}")
 

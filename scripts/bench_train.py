@@ -40,14 +40,13 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policy import fingerprint  # noqa: E402
-
-from eagle_jax.checkpoint.hf import load_model  # noqa: E402
-from eagle_jax.defaults import default_model_dir  # noqa: E402
-from eagle_jax.train import ttt  # noqa: E402
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.defaults import default_model_dir
+from eagle_jax.environment import fingerprint
+from eagle_jax.train import ttt
 
 
 def trainer_for(target, vocab: int, attention: str, select: bool, args):
@@ -188,7 +187,7 @@ def main() -> int:
     args = ap.parse_args()
     target = load_model(args.model or default_model_dir())
     if args.data is not None:
-        result = {"command": "python scripts/bench_train.py " + " ".join(sys.argv[1:]), "environment": fingerprint(),
+        result = {"command": "python scripts/bench_train.py " + " ".join(sys.argv[1:]), "environment": fingerprint(jnp.dtype(target.dtype).name),
                   "batch_size": args.batch_size, "ttt_length": args.ttt_length, "rounds": args.rounds,
                   **bench_data(target, args)}
         out = args.out or Path("results/bench_train_data.json")
@@ -223,7 +222,7 @@ def main() -> int:
                      "positions_per_s": round(tokens / med, 1), "vs_dense_8192": round(med / base, 3),
                      "compile_and_first_step_s": round(compile_s[key], 1)}
         print(f"{key}: {med:.3f} s/step, {tokens / med:.0f} positions/s, {med / base:.2f}x the dense 8192 step")
-    result = {"command": "python scripts/bench_train.py " + " ".join(sys.argv[1:]), "environment": fingerprint(),
+    result = {"command": "python scripts/bench_train.py " + " ".join(sys.argv[1:]), "environment": fingerprint(jnp.dtype(target.dtype).name),
               "batch_size": args.batch_size, "width": args.width, "ttt_length": args.ttt_length, "rounds": args.rounds,
               "rows": rows}
     if args.conversations is not None:

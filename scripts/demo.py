@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 
 from eagle_jax.defaults import default_draft_dir, default_model_dir
 from eagle_jax.defaults import enable_compilation_cache as _enable_compilation_cache
+from eagle_jax.experiments.harness import timed_generate
 from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.serving.policy import parse_shapes
 from eagle_jax.spec.sampling import SamplingParams
@@ -37,16 +37,10 @@ QUESTIONS = [
 ]
 
 
-def run_once(engine: Engine, prompts, sp):
-    """(completions, tokens/s) of one pass over the prompts."""
-    t = time.perf_counter()
-    out = engine.generate(prompts, sp)
-    return out, sum(len(c.token_ids) for c in out) / (time.perf_counter() - t)
-
-
 def timed_run(engine: Engine, prompts, sp):
+    """(completions, tokens/s) of one pass over the prompts, after a warm-up request."""
     engine.generate(prompts[:1], sp)  # warm the host path
-    return run_once(engine, prompts, sp)
+    return timed_generate(engine, prompts, sp)
 
 
 def explain(engine: Engine) -> None:
@@ -107,7 +101,8 @@ def main():
     print(f"speculative, auto policy (draft {draft_dir}): {spec_tps:.1f} tokens/s, speedup {spec_tps / plain_tps:.2f}x; "
           f"outputs identical to plain decoding: {same}")
     explain(spec)
-    print(f"(one pass over {len(prompts)} prompts; `python scripts/bench_draft.py` takes medians over 20 held-out prompts)")
+    print(f"(one pass over {len(prompts)} prompts; `eagle-jax eval-draft --draft DIR --suite held_out --repeats 3` "
+          "takes medians over 20 held-out prompts, these 4 among them)")
 
 
 if __name__ == "__main__":

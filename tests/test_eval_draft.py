@@ -8,18 +8,18 @@ import pytest
 
 from eagle_jax import cli
 
-from eagle_jax.experiments import evaluate
+from eagle_jax.experiments import evaluate, harness
 from eagle_jax.errors import InputError
 from hf_factories import write_tiny_eval_models
 
 # ----------------------------------------------------------------------------- suites
 
 
-@pytest.mark.parametrize("name", evaluate.SUITES)
+@pytest.mark.parametrize("name", harness.SUITES)
 def test_builtin_suites_parse_every_line(name):
-    path = evaluate.builtin_suite_path(name)
+    path = harness.builtin_suite_path(name)
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    suite = evaluate.load_suite(name)
+    suite = harness.load_suite(name)
     # The EAGLE authors' files hold 80 questions each.
     assert len(suite.records) == len(lines) == 80
     assert all(r.messages is not None and r.messages[-1]["role"] == "user" for r in suite.records)
@@ -27,9 +27,22 @@ def test_builtin_suites_parse_every_line(name):
     assert "SafeAILab/EAGLE" in (path.parent / "NOTICE").read_text()
 
 
+def test_held_out_suite_is_the_synthetic_eval_split_and_the_demo_questions():
+    """The former scripts/bench_draft.py's prompts, as a built-in suite (not in the default run)."""
+    from eagle_jax.train.synthetic_prompts import synthetic_prompts
+
+    suite = harness.load_suite("held_out")
+    assert suite.builtin and "held_out" not in harness.SUITES
+    texts = [r.messages[-1]["content"] for r in suite.records]
+    assert len(texts) == 20 and all(len(r.messages) == 1 for r in suite.records)
+    assert texts[:16] == synthetic_prompts(1000, split="eval", seed=1)[:16]
+    assert texts[16] == "Explain in two sentences why the sky is blue."  # make demo's first question
+    assert "held_out" in (suite.path.parent / "NOTICE").read_text()
+
+
 def test_max_prompts_spreads_over_mt_bench_categories():
-    suite = evaluate.load_suite("mt_bench")
-    picked = evaluate.select(suite, 10)
+    suite = harness.load_suite("mt_bench")
+    picked = harness.select(suite, 10)
     assert len(picked.records) == 10
     categories = {json.loads(line)["category"] for line in suite.path.read_text().splitlines()}
     picked_ids = {r.id for r in picked.records}
@@ -37,7 +50,7 @@ def test_max_prompts_spreads_over_mt_bench_categories():
         json.loads(line)["category"] for line in suite.path.read_text().splitlines() if json.loads(line)["id"] in picked_ids
     }
     assert picked_categories == categories and len(categories) == 8
-    assert evaluate.select(suite, 0) is suite
+    assert harness.select(suite, 0) is suite
 
 
 def test_unknown_suite_lists_the_valid_ones(capsys, tmp_path):
@@ -61,7 +74,7 @@ def test_bad_prompt_file_line_is_named(tmp_path, second_line, message):
     f = tmp_path / "suite.jsonl"
     f.write_text('{"id": "a", "prompt": "w1 w2"}\n' + second_line + "\n")
     with pytest.raises(InputError, match="suite.jsonl:2: ") as e:
-        evaluate.load_suite(str(f))
+        harness.load_suite(str(f))
     assert message in str(e.value)
 
 
@@ -79,11 +92,12 @@ def test_shapes_parse_and_bad_ones_are_refused():
 
 def test_acceptance_by_depth_counts_accepted_drafts():
     # Accept length n = n-1 accepted drafts + the bonus token.
-    fig = evaluate.acceptance([1, 2, 4, 3], num_steps=3)
+    fig = harness.acceptance([1, 2, 4, 3], num_steps=3)
     assert fig["mean_accept_length"] == 2.5
     assert fig["acceptance_rate_by_depth"] == [0.75, 0.5, 0.25]
     assert fig["accept_length_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
-    assert evaluate.acceptance([], num_steps=2)["mean_accept_length"] is None
+    assert harness.acceptance([], num_steps=2)["mean_accept_length"] is None
+    assert harness.first_difference([1, 2, 3], [1, 5, 3]) == 1 and harness.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 # ----------------------------------------------------------------------------- end to end

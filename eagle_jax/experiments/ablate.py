@@ -55,89 +55,18 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
-from eagle_jax.validate import int_at_least, is_number, one_of
-from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape
+from eagle_jax.experiments import harness
+from eagle_jax.experiments.harness import FIELDS, Point, acceptance, context_sizes, first_difference, resolve, spread
+from eagle_jax.spec.config import parse_shape
 
-POLICIES = ("fixed", "threshold", "auto")
 MAX_DEPTH_LINES = 10  # acceptance-by-depth lines drawn one per point up to this many
-VERIFY = ("coupled", "rejection")
 WARMUP_TOKENS = 4
 
 
-def _int(lo: int) -> Callable[[str, Any], int]:
-    def check(field: str, v: Any) -> int:
-        return int_at_least(field, v, lo)
-    return check
-
-
-def _float(lo: float, hi: float | None = None, lo_open: bool = False) -> Callable[[str, Any], float]:
-    def check(field: str, v: Any) -> float:
-        if not is_number(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
-            rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
-            raise ConfigError(f"{field}={v!r} must be a number in {rng}")
-        return float(v)
-    return check
-
-
-def _choice(options: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def check(field: str, v: Any) -> str:
-        return one_of(field, v, options)
-    return check
-
-
-def _text(field: str, v: Any) -> str:
-    if not isinstance(v, str) or not v.strip():
-        raise ConfigError(f"{field}={v!r} must be a non-empty string")
-    return v
-
-
-def _shape(field: str, v: Any) -> str:
-    v = _text(field, v)
-    if v.strip() != "plain":
-        parse_shape(v)  # a ConfigError names the forms
-    return v.strip()
-
-
-# name: (check, default, what). None default: not set unless given.
-FIELDS: dict[str, tuple[Callable[[str, Any], Any], Any, str]] = {
-    "shape": (_shape, None, "draft shape: plain, 'chain S=n' or 'tree S=n k=n T=n'"),
-    "steps": (_int(1), None, "draft steps S (with topk, draft_tokens: another way to give the shape)"),
-    "topk": (_int(1), 1, "draft top-k per step"),
-    "draft_tokens": (_int(1), None, "tree size T (topk > 1)"),
-    "policy": (_choice(POLICIES), "fixed", "speculation policy"),
-    "threshold": (_int(1), None, "spec_disable_batch_threshold (policy threshold)"),
-    "temperature": (_float(0.0), 0.0, "sampling temperature (0: greedy)"),
-    "top_p": (_float(0.0, 1.0, lo_open=True), 1.0, "nucleus sampling"),
-    "top_k": (_int(0), 0, "top-k sampling (0: off)"),
-    "sampling_verify": (_choice(VERIFY), "coupled", "how sampled drafts are verified"),
-    "batch_size": (_int(1), 1, "engine batch (continuous batching over the prompts)"),
-    "draft": (_text, None, "draft checkpoint directory"),
-    "model": (_text, None, "target model directory (default: the default model)"),
-    "suite": (_text, "mt_bench", "built-in suite name or .jsonl prompt file"),
-    "max_prompts": (_int(0), 8, "prompts taken evenly from the suite (0: all)"),
-    "max_new_tokens": (_int(1), 64, "tokens generated per prompt"),
-    "repeats": (_int(1), 3, "interleaved timed passes per point"),
-    "seed": (_int(0), 0, "seed of prompt i is seed + i"),
-    "dtype": (_choice(("float32", "bfloat16")), "float32", "parameter dtype"),
-    # None default: points that do not set it keep the keys they had before the field existed.
-    "draft_sync": (_choice(DRAFT_SYNC_MODES), None, "how the draft follows plain steps (unset: the engine's auto)"),
-}
 TOP_ONLY = ("name",)  # top-level keys that are not point fields
-
-
-@dataclasses.dataclass(frozen=True)
-class Point:
-    """One resolved grid point: every field's value, and what runs."""
-
-    values: dict[str, Any]
-    speculative: SpeculativeConfig | None  # None: plain decoding only
-
-    @property
-    def key(self) -> str:
-        return json.dumps(self.values, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,46 +125,6 @@ def parse_config(raw: dict[str, Any], where: str = "config", sha256: str = "") -
     return Sweep(name=name, fixed=fixed, grid=grid, points=tuple(points), sha256=sha256)
 
 
-def resolve(given: dict[str, Any]) -> Point:
-    """Field values (checked, defaults filled) and the speculative setting they mean."""
-    values = {}
-    for k, (check, default, _) in FIELDS.items():
-        if k in given:
-            values[k] = check(k, given[k])
-        elif default is not None:
-            values[k] = default
-    shape = values.get("shape")
-    if shape is not None and any(k in given for k in ("steps", "draft_tokens")):
-        raise ConfigError("shape and steps/draft_tokens both given: use one way to name the draft shape")
-    verify = dict(sampling_verify=values["sampling_verify"])
-    policy = values["policy"]
-    if policy == "auto":
-        if shape not in (None, "plain") or "steps" in values:
-            raise ConfigError("policy='auto' picks among its own candidate shapes; drop shape/steps from this point")
-        spec = SpeculativeConfig(num_steps=1, **verify)  # auto's sampling settings; its candidates are its own
-    elif shape == "plain" or (shape is None and "steps" not in values):
-        if policy != "fixed" or "threshold" in values:
-            raise ConfigError(f"policy={policy!r} needs a draft shape (shape or steps)")
-        spec = None
-    elif shape is not None:
-        spec = parse_shape(shape, **verify)
-    else:
-        s, k = values["steps"], values["topk"]
-        t = values.get("draft_tokens")
-        if k == 1 and t is not None and t != s:
-            raise ConfigError(f"draft_tokens={t} with topk=1: a chain of steps={s} drafts {s} tokens")
-        if k > 1 and t is None:
-            raise ConfigError(f"topk={k} needs draft_tokens (the tree size T)")
-        spec = SpeculativeConfig(num_steps=s, topk=k, num_draft_tokens=t if k > 1 else None, **verify)
-    if policy == "threshold" and "threshold" not in values:
-        raise ConfigError("policy='threshold' needs threshold (the batch size above which speculation is off)")
-    if "threshold" in values and policy != "threshold":
-        raise ConfigError(f"threshold={values['threshold']} goes with policy='threshold' (not {policy!r})")
-    if spec is not None and "draft" not in values:
-        raise ConfigError("a speculative point needs draft (a draft checkpoint directory)")
-    return Point(values, spec)
-
-
 # ----------------------------------------------------------------------------- results file
 
 
@@ -276,69 +165,11 @@ def append_line(path: Path, rec: dict) -> None:
 # ----------------------------------------------------------------------------- running
 
 
-class Runner:
-    """Loads models, suites and engines once each and runs points."""
-
-    def __init__(self, log=print):
-        self.log = log
-        self._models: dict = {}
-        self._engines: dict = {}
-        self._suites: dict = {}
-
-    def models(self, model_dir: str, draft_dir: str | None, dtype: str):
-        from eagle_jax.experiments.evaluate import load_models
-
-        key = (model_dir, draft_dir, dtype)
-        if key not in self._models:
-            if draft_dir is None:
-                from eagle_jax.checkpoint.hf import load_model
-
-                self._models[key] = (load_model(model_dir, dtype=dtype), None)
-            else:
-                self._models[key] = load_models(Path(model_dir), Path(draft_dir), dtype)
-        return self._models[key]
-
-    def prompts(self, suite: str, max_prompts: int, tokenizer) -> tuple[str, list[list[int]]]:
-        from eagle_jax.experiments.evaluate import encode, load_suite, select
-
-        key = (suite, max_prompts)
-        if key not in self._suites:
-            s = select(load_suite(suite), max_prompts)
-            self._suites[key] = (s, [encode(tokenizer, r) for r in s.records])
-        return self._suites[key]
-
-    def engine(self, target, draft, tokenizer, point: Point, max_seq_len: int, buckets, speculative: bool):
-        from eagle_jax.serving.engine import Engine, EngineConfig, default_policy
-
-        v = point.values
-        sampled = v["temperature"] > 0
-        spec = point.speculative if speculative else None
-        # Every setting the engine is built with: a sweep over suites needs other cache
-        # and prompt buckets for each (a longer suite's prompts do not fit the last one's).
-        key = (id(target), id(draft) if spec is not None else None, max_seq_len, tuple(buckets), v["batch_size"], sampled,
-               v["policy"] if spec is not None else None, spec.shape if spec is not None else None,
-               v.get("threshold"), spec.sampling_verify if spec is not None else None, v.get("draft_sync"))
-        if key in self._engines:
-            return self._engines[key]
-        if len(self._engines) >= 6:  # bound the compiled graphs held
-            self._engines.pop(next(iter(self._engines)))
-        base = dict(max_batch=v["batch_size"], batch_buckets=(v["batch_size"],), max_seq_len=max_seq_len,
-                    prompt_buckets=buckets, sampled_steps=sampled)
-        if spec is not None and v.get("draft_sync") is not None:
-            base["draft_sync"] = v["draft_sync"]
-        if spec is None:
-            cfg = EngineConfig(spec_policy="plain", **base)
-        else:
-            threshold = v["threshold"] if v["policy"] == "threshold" else None
-            cfg = EngineConfig(speculative=spec, spec_policy=v["policy"], spec_disable_batch_threshold=threshold, **base)
-        policy = default_policy(cfg, v.get("draft"))  # auto: the draft's model card is its prior
-        engine = Engine(target, draft if spec is not None else None, cfg, tokenizer, policy=policy, progress=False)
-        self._engines[key] = engine
-        return engine
+class Runner(harness.Runner):
+    """The shared runner (models, suites and engines loaded once each), and a point's run."""
 
     def run(self, point: Point) -> dict[str, Any]:
         from eagle_jax.defaults import default_model_dir
-        from eagle_jax.experiments.evaluate import acceptance, context_sizes
         from eagle_jax.serving.policy import policy_shapes
         from eagle_jax.spec.sampling import SamplingParams
         from eagle_jax.checkpoint.tokenizer import Tokenizer
@@ -363,9 +194,8 @@ class Runner:
             for name, e in (("plain", plain), ("speculative", spec)):
                 if e is None:
                     continue
-                t0 = time.perf_counter()
-                out = e.generate(prompts, params)
-                runs[name].append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0))
+                out, tps = harness.timed_generate(e, prompts, params)
+                runs[name].append(tps)
                 if rep == 0:
                     if name == "plain":
                         plain_out = out
@@ -374,10 +204,10 @@ class Runner:
                         accepts = [a for c in out for a in c.accept_lengths]
         res: dict[str, Any] = {"suite": suite.name, "prompts": len(prompts),
                                "generated_tokens": sum(len(c.token_ids) for c in plain_out),
-                               "plain": _spread(runs["plain"])}
+                               "plain": spread(runs["plain"])}
         if spec is not None:
             depth = max(s.num_steps for s in policy_shapes(spec.policy))
-            res["speculative"] = _spread(runs["speculative"])
+            res["speculative"] = spread(runs["speculative"])
             res["speedup"] = res["speculative"]["median"] / res["plain"]["median"]
             res.update(acceptance(accepts, depth))
             bad = [i for i, (p, s) in enumerate(zip(plain_out, spec_out)) if p.token_ids != s.token_ids]
@@ -397,8 +227,7 @@ class Runner:
                 res["identical_to_plain"] = not bad
                 res["prompts_identical_to_plain"] = len(prompts) - len(bad)
                 res["divergences"] = [
-                    {"prompt": i, "token_index": next((j for j, (x, y) in enumerate(zip(plain_out[i].token_ids, spec_out[i].token_ids))
-                                                       if x != y), min(len(plain_out[i].token_ids), len(spec_out[i].token_ids)))}
+                    {"prompt": i, "token_index": first_difference(plain_out[i].token_ids, spec_out[i].token_ids)}
                     for i in bad]
                 if bad:
                     self.log(f"point {point.key}: coupled-sampled output parts from plain decoding at "
@@ -424,12 +253,8 @@ def progress_line(res: dict) -> str:
             f"speedup {res['speedup']:.2f}x{ran_}")
 
 
-def _spread(xs: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-
-
 def fingerprint(sweep: Sweep, dtype: str) -> dict[str, Any]:
-    from eagle_jax.experiments.evaluate import environment
+    from eagle_jax.environment import fingerprint as environment
 
     env = environment(dtype)
     env["seeds"] = {"prompt_i": "seed + i", "note": "temperature 0 draws no random numbers"}
@@ -457,7 +282,7 @@ def run_sweep(sweep: Sweep, out: Path, log=print, runner: Runner | None = None) 
         res = runner.run(p)
         env = env or fingerprint(sweep, p.values["dtype"])
         rec = {"key": p.key, "point": p.values, "result": res, "config_sha256": sweep.sha256,
-               "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "seconds": time.perf_counter() - t0, "finished_at": harness.timestamp(),
                "fingerprint": env}
         append_line(lines, rec)
         done[p.key] = rec

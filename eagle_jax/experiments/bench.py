@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle_jax.errors import ConfigError, EagleJaxError
-
-POLICIES = ("fixed", "threshold", "auto")
+from eagle_jax.experiments import harness
+from eagle_jax.experiments.harness import POLICIES
 
 
 # ----------------------------------------------------------------------------- roofline
@@ -87,13 +87,12 @@ class System:
 
     name: str
     kind: str
-    point: Any = None  # an ablate.Point for the eagle-jax systems
+    point: Any = None  # a harness.Point for the eagle-jax systems
 
 
 def systems_for(args: argparse.Namespace, batch_size: int, with_transformers: bool) -> list[System]:
-    """The systems of one batch size, each resolved (and checked) as an ablation point."""
-    from eagle_jax.experiments import ablate
-
+    """The systems of one batch size, each resolved (and checked) as a run configuration
+    (``harness.resolve``, as ablate's grid points are)."""
     base = dict(batch_size=batch_size, suite=args.suite, max_prompts=args.max_prompts,
                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, temperature=0.0)
     if args.model:
@@ -101,16 +100,16 @@ def systems_for(args: argparse.Namespace, batch_size: int, with_transformers: bo
     if args.draft:
         base["draft"] = args.draft
     out = [System("transformers", "transformers")] if with_transformers else []
-    out.append(System("eagle-jax plain", "plain", ablate.resolve(dict(base, shape="plain"))))
+    out.append(System("eagle-jax plain", "plain", harness.resolve(dict(base, shape="plain"))))
     if args.draft is None:
         return out
     for policy in args.policies:
         if policy == "auto":
-            out.append(System("eagle-jax auto", "speculative", ablate.resolve(dict(base, policy="auto"))))
+            out.append(System("eagle-jax auto", "speculative", harness.resolve(dict(base, policy="auto"))))
             continue
         for shape in args.shapes:
             extra = dict(threshold=args.threshold) if policy == "threshold" else {}
-            p = ablate.resolve(dict(base, shape=shape, policy=policy, **extra))
+            p = harness.resolve(dict(base, shape=shape, policy=policy, **extra))
             if p.speculative is None:
                 raise ConfigError(f"--shapes {shape!r}: plain runs anyway; name draft shapes here")
             label = p.speculative.shape if policy == "fixed" else f"{policy} {p.speculative.shape}"
@@ -159,9 +158,8 @@ class TransformersRunner:
 
 def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Every batch size's systems, interleaved; returns the report (also written to --out)."""
-    from eagle_jax.experiments import ablate
     from eagle_jax.defaults import default_model_dir
-    from eagle_jax.experiments.evaluate import acceptance, context_sizes, environment
+    from eagle_jax.environment import fingerprint
     from eagle_jax.serving.policy import policy_shapes
     from eagle_jax.spec.sampling import SamplingParams
     from eagle_jax.checkpoint.tokenizer import Tokenizer
@@ -169,11 +167,11 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     with_hf = _transformers_wanted(args.transformers)
     model_dir = args.model or str(default_model_dir())
     plans = {b: systems_for(args, b, with_hf) for b in args.batch_sizes}  # every point checked before any run
-    runner = ablate.Runner(log)
+    runner = harness.Runner(log)
     target, draft = runner.models(model_dir, args.draft, args.dtype)
     tokenizer = Tokenizer.from_dir(model_dir)
     suite, prompts = runner.prompts(args.suite, args.max_prompts, tokenizer)
-    max_seq_len, buckets = context_sizes(max(map(len, prompts)), args.max_new_tokens,
+    max_seq_len, buckets = harness.context_sizes(max(map(len, prompts)), args.max_new_tokens,
                                          target.config.max_position_embeddings)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens)] * len(prompts)
     hf = TransformersRunner(model_dir, args.dtype) if with_hf else None
@@ -192,13 +190,12 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
                                                 speculative=s.kind == "speculative")
 
         def one_pass(s: System) -> tuple[float, list[list[int]], list[int]]:
-            t0 = time.perf_counter()
             if s.kind == "transformers":
-                outs, accepts = hf.generate(prompts, b, args.max_new_tokens), []
-            else:
-                done = engines[s.name].generate(prompts, params)
-                outs, accepts = [list(c.token_ids) for c in done], [a for c in done for a in c.accept_lengths]
-            return sum(map(len, outs)) / (time.perf_counter() - t0), outs, accepts
+                t0 = time.perf_counter()
+                outs = hf.generate(prompts, b, args.max_new_tokens)
+                return sum(map(len, outs)) / (time.perf_counter() - t0), outs, []
+            done, tps = harness.timed_generate(engines[s.name], prompts, params)
+            return tps, [list(c.token_ids) for c in done], [a for c in done for a in c.accept_lengths]
 
         for s in systems:  # warm-up pass: compiles, first allocations, transformers' caches
             one_pass(s)
@@ -216,12 +213,12 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         rows = []
         for s in systems:
             outs, accepts = first[s.name]
-            row: dict[str, Any] = {"system": s.name, "kind": s.kind, "tokens_per_second": ablate._spread(rates[s.name]),
+            row: dict[str, Any] = {"system": s.name, "kind": s.kind, "tokens_per_second": harness.spread(rates[s.name]),
                                    "generated_tokens": sum(map(len, outs))}
             if s.kind == "speculative":
                 eng = engines[s.name]
                 depth = max(x.num_steps for x in policy_shapes(eng.policy))
-                row.update(acceptance(accepts, depth))
+                row.update(harness.acceptance(accepts, depth))
                 bad = [i for i, (p, q) in enumerate(zip(plain_out, outs)) if p != q]
                 if bad:
                     raise RuntimeError(f"batch {b}, {s.name}: greedy speculative output differs from plain decoding "
@@ -253,8 +250,8 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "matvec_GBps": bandwidth / 1e9,
         "weight_MB_per_step": wbytes / 1e6,
         "batches": by_batch,
-        "fingerprint": environment(args.dtype),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fingerprint(args.dtype),
+        "finished_at": harness.timestamp(),
     }
 
 
@@ -379,7 +376,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="target model directory (default: the default model)")
     p.add_argument("--draft", help="draft checkpoint directory (without one, only transformers and plain run)")
-    p.add_argument("--suite", default="mt_bench", help="built-in suite (mt_bench, humaneval, gsm8k, alpaca) or a .jsonl file")
+    p.add_argument("--suite", default="mt_bench",
+                   help=f"built-in suite ({', '.join(harness.BUILTIN_SUITES)}) or a .jsonl file")
     p.add_argument("--shapes", nargs="+", default=["chain S=3", "tree S=3 k=4 T=8"],
                    help="draft shapes for the fixed and threshold policies")
     p.add_argument("--policies", nargs="+", default=["fixed"], choices=POLICIES,

@@ -9,7 +9,9 @@ tokens/s are medians over the passes. Every speculative output must equal plain 
 token for token: a difference is an ``OutputMismatchError`` naming suite, prompt and shape.
 
 Suites: the four built-in files (``eagle_jax/data/eval``, the EAGLE authors' question
-files, Apache-2.0: see NOTICE there) or any JSONL prompt file in ``generate``'s format.
+files, Apache-2.0: see NOTICE there), the built-in ``held_out`` set (20 chat prompts: 16
+on topics no training prompt of ``draft-data``'s synthetic set used, and the 4 ``make
+demo`` questions; not run unless named), or any JSONL prompt file in ``generate``'s format.
 A record's ``messages`` go through the model's chat template (a ``prompt`` is raw text);
 the model answers the last turn, which must be the user's. MT-bench records keep their
 second question in ``second_turn``, which is not used: answering it needs the model's own
@@ -35,106 +37,41 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import hashlib
-import importlib.resources
 import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagle_jax.defaults import default_model_dir, enable_compilation_cache, positive_int, pow2_at_least, prompt_buckets_for
+from eagle_jax.defaults import default_model_dir, enable_compilation_cache, positive_int
 from eagle_jax.environment import fingerprint
 from eagle_jax.errors import InputError
+from eagle_jax.experiments.harness import (
+    BUILTIN_SUITES,
+    SUITES,
+    Suite,
+    acceptance,
+    context_sizes,
+    encode,
+    first_difference,
+    load_models,
+    load_suite,
+    select,
+    timed_generate,
+)
 from eagle_jax.serving.policy import SpeculationPolicy
-from eagle_jax.serving.prompts import PromptRecord, iter_prompt_file
 
-SUITES = ("mt_bench", "humaneval", "gsm8k", "alpaca")
 # Chains S=1..5 and the default tree of `generate`.
 DEFAULT_SHAPES = ("1", "2", "3", "4", "5", "3/4/8")
 DEFAULT_OUT = Path("results/eval_draft.json")
-# Smallest prefill bucket: shorter buckets would add a compiled graph per engine for
-# little saving, since every chat prompt carries the template's system text.
-MIN_PROMPT_BUCKET = 64
 # Tokens generated with each shape (and plain) before timing, so one-time host-side costs are not timed.
 WARMUP_TOKENS = 8
 
 
 class OutputMismatchError(AssertionError):
     """A greedy speculative output differs from plain decoding (a bug, not bad input)."""
-
-
-# ----------------------------------------------------------------------------- suites
-
-
-@dataclasses.dataclass(frozen=True)
-class Suite:
-    """One evaluation suite: its name (built-in name or the path as given) and its prompts.
-
-    ``where[i]`` is ``"FILE:LINE"`` of ``records[i]``, for error messages.
-    """
-
-    name: str
-    path: Path
-    records: tuple[PromptRecord, ...]
-    where: tuple[str, ...]
-
-    @property
-    def builtin(self) -> bool:
-        return self.name in SUITES
-
-
-def builtin_suite_path(name: str) -> Path:
-    """The vendored file of a built-in suite (inside the installed package)."""
-    return Path(str(importlib.resources.files("eagle_jax") / "data" / "eval" / f"{name}.jsonl"))
-
-
-def load_suite(spec: str) -> Suite:
-    """A built-in suite by name, or a JSONL prompt file by path; checks every record."""
-    if spec in SUITES:
-        path = builtin_suite_path(spec)
-    elif spec.endswith(".jsonl") or Path(spec).is_file():
-        path = Path(spec)
-    else:
-        raise InputError(f"unknown suite {spec!r}; valid: {', '.join(SUITES)}, or a path to a .jsonl prompt file")
-    records, where, first_line = [], [], {}
-    for loc, rec in iter_prompt_file(path):
-        if rec.messages is not None and rec.messages[-1]["role"] != "user":
-            raise InputError(f"{loc}: the last message is the {rec.messages[-1]['role']!r}'s; the model answers a 'user' turn")
-        if rec.id in first_line:
-            raise InputError(f"{loc}: id {rec.id!r} was already used at {first_line[rec.id]}")
-        first_line[rec.id] = loc
-        records.append(rec)
-        where.append(loc)
-    if not records:
-        raise InputError(f"prompt file {path} holds no prompts")
-    return Suite(spec, path, tuple(records), tuple(where))
-
-
-def select(suite: Suite, max_prompts: int) -> Suite:
-    """``max_prompts`` records spread evenly over the suite (0: all).
-
-    Evenly spaced, not the first N: the built-in files are grouped by category (MT-bench
-    holds ten questions of each of its eight), so the first ten would all be writing.
-    """
-    n = len(suite.records)
-    if max_prompts == 0 or max_prompts >= n:
-        return suite
-    idx = [i * n // max_prompts for i in range(max_prompts)]
-    return dataclasses.replace(
-        suite, records=tuple(suite.records[i] for i in idx), where=tuple(suite.where[i] for i in idx)
-    )
-
-
-def encode(tokenizer, rec: PromptRecord) -> list[int]:
-    """Token ids of a record, as ``generate --prompt-file`` makes them."""
-    if rec.messages is not None:
-        # The chat template already holds BOS where the model wants it.
-        return tokenizer.encode(tokenizer.apply_chat_template(list(rec.messages), add_generation_prompt=True))
-    return tokenizer.encode(rec.prompt, add_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -171,31 +108,12 @@ def shape_arg(cfg) -> str:
 # ----------------------------------------------------------------------------- figures
 
 
-def acceptance(accept_lengths: Sequence[int], num_steps: int) -> dict[str, Any]:
-    """Mean accept length and acceptance rate by depth from per-step accept lengths.
-
-    An accept length n counts the n-1 accepted drafts plus the target's bonus token, so a
-    step accepted depth d (1..S) when n-1 >= d; the rate at depth d is the share of
-    speculative steps that did (the definition ``EngineMetrics`` uses).
-    """
-    n = len(accept_lengths)
-    hist = collections.Counter(accept_lengths)
-    if n == 0:
-        return {"steps": 0, "mean_accept_length": None, "acceptance_rate_by_depth": None, "accept_length_histogram": {}}
-    return {
-        "steps": n,
-        "mean_accept_length": sum(accept_lengths) / n,
-        "acceptance_rate_by_depth": [sum(v for k, v in hist.items() if k - 1 >= d) / n for d in range(1, num_steps + 1)],
-        "accept_length_histogram": {str(k): hist[k] for k in sorted(hist)},
-    }
-
-
 def check_identical(suite: Suite, shape: str, plain, spec, pass_no: int) -> int:
     """Raise ``OutputMismatchError`` unless every speculative output equals plain decoding;
     returns the number of outputs compared."""
     for where, rec, p, s in zip(suite.where, suite.records, plain, spec, strict=True):
         if p.token_ids != s.token_ids:
-            j = next((i for i, (a, b) in enumerate(zip(p.token_ids, s.token_ids)) if a != b), min(len(p.token_ids), len(s.token_ids)))
+            j = first_difference(p.token_ids, s.token_ids)
             a = p.token_ids[j] if j < len(p.token_ids) else "end"
             b = s.token_ids[j] if j < len(s.token_ids) else "end"
             raise OutputMismatchError(
@@ -206,7 +124,7 @@ def check_identical(suite: Suite, shape: str, plain, spec, pass_no: int) -> int:
     return len(plain)
 
 
-# ----------------------------------------------------------------------------- environment
+# ----------------------------------------------------------------------------- paths
 
 
 def _display_path(p: Path) -> str:
@@ -215,11 +133,6 @@ def _display_path(p: Path) -> str:
         return str(Path(p).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(p)
-
-
-def environment(dtype: str) -> dict[str, Any]:
-    """What the figures depend on (``eagle_jax.environment.fingerprint``)."""
-    return fingerprint(dtype)
 
 
 def _sha256(path: Path) -> str:
@@ -231,13 +144,6 @@ def _sha256(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def context_sizes(longest: int, max_new_tokens: int, context: int) -> tuple[int, tuple[int, ...]]:
-    """(max_seq_len, prompt_buckets) for the longest prompt: powers of two from
-    ``MIN_PROMPT_BUCKET`` up to the one that holds it (the CLI's rule)."""
-    max_seq_len = min(context, pow2_at_least(longest + max_new_tokens))
-    return max_seq_len, prompt_buckets_for(longest, max_seq_len, MIN_PROMPT_BUCKET)
 
 
 class SwitchedPolicy(SpeculationPolicy):
@@ -259,18 +165,6 @@ class SwitchedPolicy(SpeculationPolicy):
 
     def describe(self) -> str:
         return f"eval-draft: one of {', '.join(s.shape for s in self.shapes)}, switched between passes"
-
-
-def load_models(model_dir: Path, draft_dir: Path, dtype: str | None):
-    """Target (built to return the draft's feature layers) and draft, loaded once for every engine."""
-    from eagle_jax.checkpoint.draft_io import load_draft, read_draft_config
-    from eagle_jax.checkpoint.hf import load_model
-    from eagle_jax.models.registry import read_target_config
-
-    tcfg = read_target_config(model_dir)
-    dcfg = read_draft_config(draft_dir, target_cfg=tcfg)
-    target = load_model(model_dir, dtype=dtype, config=tcfg.replace(aux_layer_ids=dcfg.aux_layer_ids))
-    return target, load_draft(draft_dir, target=target, dtype=dtype)
 
 
 def run_eval(
@@ -332,11 +226,8 @@ def run_eval(
         for rep in range(repeats):
             # Plain, then each shape, over the same prompts: drifts of a shared machine hit all alike.
             for name, cfg in runs_order:
-                engine = engine_for(cfg)
-                t0 = time.perf_counter()
-                out = engine.generate(ps, sp)
-                dt = time.perf_counter() - t0
-                runs[name].append(sum(len(c.token_ids) for c in out) / dt)
+                out, tps = timed_generate(engine_for(cfg), ps, sp)
+                runs[name].append(tps)
                 if cfg is None:
                     plain_out = out
                     continue
@@ -471,7 +362,7 @@ def command_line(args: argparse.Namespace, model_dir: Path) -> str:
     """The run as one command with every option spelled out (defaults included)."""
     parts = ["eagle-jax", "eval-draft", "--draft", _display_path(args.draft), "--model", _display_path(model_dir)]
     for s in args.suite:
-        parts += ["--suite", s if s in SUITES else _display_path(Path(s))]
+        parts += ["--suite", s if s in BUILTIN_SUITES else _display_path(Path(s))]
     parts += ["--shapes", *map(shape_arg, args.shapes)]
     parts += ["--max-prompts", str(args.max_prompts), "--max-new-tokens", str(args.max_new_tokens)]
     parts += ["--repeats", str(args.repeats), "--out", _display_path(args.out)]
@@ -517,7 +408,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
     figure_path = args.out.with_suffix(".png")
     report = {
         "command": command,
-        "environment": environment(jnp.dtype(dtype).name),
+        "environment": fingerprint(jnp.dtype(dtype).name),
         "settings": {
             "model": _display_path(model_dir),
             "model_config_sha256": _sha256(model_dir / "config.json"),
@@ -578,7 +469,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=None, metavar="DIR", help="target model directory (default: checkpoints/<default>)")
     p.add_argument(
         "--suite", action="append", default=None, metavar="NAME|FILE.jsonl",
-        help=f"repeatable: {', '.join(SUITES)} (built in), or a JSONL prompt file (default: all four built-in suites)",
+        help=f"repeatable: {', '.join(BUILTIN_SUITES)} (built in), or a JSONL prompt file (default: the EAGLE papers' "
+             f"four, {', '.join(SUITES)})",
     )
     p.add_argument(
         "--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES], metavar="SHAPE",
