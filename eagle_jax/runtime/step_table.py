@@ -65,7 +65,7 @@ from eagle_jax.spec.steps import (
 )
 from eagle_jax.runtime.plan import resolve_plan
 from eagle_jax.runtime.sharding import DRAFT_SHARDINGS, check_draft_sharding  # noqa: F401  (DRAFT_SHARDINGS re-exported)
-from eagle_jax.runtime.sharding import batch_rules, model_axis_rules, replicated_rules, spans_processes
+from eagle_jax.runtime.sharding import batch_rules, describe_mesh, model_axis_rules, replicated_rules, spans_processes
 from eagle_jax.validate import int_in
 from eagle_jax.models.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
 
@@ -307,6 +307,52 @@ class StepTable:
         leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
         return self.plan.verify_attention(self.target.config.num_attention_heads, leaf.shape, leaf.dtype,
                                           [(s.shape, s.num_draft_tokens) for s in self.shapes], self.plain)
+
+    def describe(self) -> str:
+        """What this table compiled and how it runs, for the start-up line: buckets,
+        context, dtype, the mesh and what its rules did that a reader would not guess,
+        the execution plan, and how the draft follows plain steps."""
+        parts = [
+            f"batch buckets {self.batch_buckets}; prompt buckets {self.prompt_buckets} (prefill batches "
+            f"{dict(self.prefill_batches)}); max_seq_len {self.max_seq_len} (target cache {self.target_cache_len} slots); "
+            f"dtype {jnp.dtype(self.target.dtype).name}",
+            self._mesh_note(),
+            self.plan.describe(self.verify_attention_path()),
+        ]
+        if self.draft is not None:
+            s = self.draft_sync
+            how = ("plain steps and prefill store the draft's inputs, a speculative step first runs the draft over "
+                   f"what is pending, {s.rows} rows x {s.width} positions at a time" if s.deferred
+                   else "prefill and plain steps run the draft")
+            parts.append(f"draft sync {s.mode} ({how})")
+        if self.time_phases:
+            parts.append("time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)")
+        if self.proposer != EAGLE3:
+            parts.append(f"proposer {self.proposer.describe()}")
+        return "; ".join(parts)
+
+    def _mesh_note(self) -> str:
+        """The mesh, its devices, and what the rules did that a reader would not guess."""
+        mesh = self.mesh
+        note = f"mesh {describe_mesh(mesh)} over {[str(d) for d in mesh.devices.flat]}"
+        if self.multi_process:
+            note += f" (process {jax.process_index()} of {jax.process_count()}; tokens read back replicated)"
+        if mesh.shape["model"] > 1:
+            kv = self.target.axis_sizes()["kv_heads"]
+            note += (f" (KV heads: {kv}, replicated over model={mesh.shape['model']})" if self.rules["kv_heads"] is None
+                     else f" (KV heads: {kv} split over model)")
+            if self.draft is not None:
+                note += f"; draft {'split over' if self.draft_sharding == 'model' else 'replicated over'} model"
+        shards = mesh.shape.get("expert", 1)
+        if shards > 1:
+            e = self.target.axis_sizes()["experts"]
+            note += f" (routed experts: {e} split over expert={shards} ({e // shards} per device))"
+        d = mesh.shape["data"]
+        if d > 1:
+            odd = [b for b in self.batch_buckets if b % d]
+            note += (f"; batch buckets {odd} are not multiples of data={d}: their rows run replicated over data"
+                     if odd else f"; batch rows split over data={d}")
+        return note
 
     # -- graph definitions
 
@@ -552,10 +598,12 @@ class StepTable:
         b = state.seq_lens.shape[0]
         if shape is None:
             return self._get(("step", b, None, greedy))(self.params, state, samp)
+        # A graph it did not build is refused first (CompileAfterBuildError), then missing rows.
+        graph = self._get(("step", b, shape, greedy) if not self.time_phases else ("draft", b, shape))
         if self.proposer.row_width and rows is None:
             raise ConfigError(f"proposer {self.proposer.describe()} reads per-row data: pass rows")
         if not self.time_phases:
-            return self._get(("step", b, shape, greedy))(self.params, state, samp, rows)
+            return graph(self.params, state, samp, rows)
         t = time.perf_counter()
         jax.block_until_ready(state)  # work queued before (prefill, insert, a plain step) is not drafting
         t0 = time.perf_counter()

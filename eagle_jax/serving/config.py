@@ -15,6 +15,7 @@ from eagle_jax.serving.policy import (
     policy_shapes,
 )
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, default_shape
+from eagle_jax.validate import flag, int_in, is_int, is_number, non_negative_int, one_of, optional, positive_int
 
 # EngineConfig.spec_policy's values (the command line's --spec-policy, plus plain).
 SPEC_POLICIES = ("auto", "fixed", "threshold", "plain")
@@ -132,13 +133,8 @@ class EngineConfig:
     draft_sync: str = "auto"
 
     def __post_init__(self):
-        def positive_int(name):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
-
         for name in ("max_batch", "max_seq_len", "spec_hysteresis_steps", "prefill_token_budget"):
-            positive_int(name)
+            positive_int(name, getattr(self, name))
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len={self.max_seq_len} must be >= 2 (a prompt token and a new one)")
         if self.batch_buckets is None:
@@ -148,28 +144,24 @@ class EngineConfig:
         for name, top in (("batch_buckets", self.max_batch), ("prompt_buckets", self.max_seq_len)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)
-            if not v or any(not isinstance(x, int) or x < 1 for x in v) or list(v) != sorted(set(v)):
+            if not v or any(not is_int(x) or x < 1 for x in v) or list(v) != sorted(set(v)):
                 raise ConfigError(f"{name}={v!r} must be an increasing tuple of positive integers")
             if name == "batch_buckets" and v[-1] != top:
                 raise ConfigError(f"{name}={v!r} must end at {top} (the max_batch)")
             if name == "prompt_buckets" and v[-1] > top:
                 raise ConfigError(f"{name}={v!r} must not go past {top} (the max_seq_len)")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype={self.dtype!r}; valid: None, float32, bfloat16, float16")
+        one_of("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ConfigError(f"speculative={self.speculative!r} must be a SpeculativeConfig or None")
         t = self.spec_disable_batch_threshold
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
-            raise ConfigError(f"spec_disable_batch_threshold={t!r} must be an integer >= 0 or None (never off)")
+        optional(non_negative_int, "spec_disable_batch_threshold", t, note="never off")
         check_draft_sharding(self.draft_sharding)
-        if self.draft_sync not in ("auto",) + DRAFT_SYNC_MODES:
-            raise ConfigError(f"draft_sync={self.draft_sync!r}; valid: auto, {', '.join(DRAFT_SYNC_MODES)}")
+        one_of("draft_sync", self.draft_sync, ("auto",) + DRAFT_SYNC_MODES)
         policy = self.spec_policy
         if policy is None:  # as the command line picks (see spec_policy)
             policy = "threshold" if t is not None else "fixed" if self.speculative is not None else "auto"
             object.__setattr__(self, "spec_policy", policy)
-        if policy not in SPEC_POLICIES:
-            raise ConfigError(f"spec_policy={policy!r}; valid: {', '.join(SPEC_POLICIES)}")
+        one_of("spec_policy", policy, SPEC_POLICIES)
         if policy in ("fixed", "threshold") and self.speculative is None:
             object.__setattr__(self, "speculative", default_shape())
         if policy == "threshold" and t is None:
@@ -184,22 +176,18 @@ class EngineConfig:
             object.__setattr__(self, "spec_shapes", shapes)
             if not shapes or not all(isinstance(x, SpeculativeConfig) for x in shapes):
                 raise ConfigError(f"spec_shapes={shapes!r} must be a non-empty tuple of SpeculativeConfig")
-        if not (isinstance(self.spec_calibration_s, (int, float)) and self.spec_calibration_s > 0):
+        if not (is_number(self.spec_calibration_s) and self.spec_calibration_s > 0):
             raise ConfigError(f"spec_calibration_s={self.spec_calibration_s!r} must be > 0")
         c = self.spec_calibration_context
         if c is None:
             object.__setattr__(self, "spec_calibration_context", self.max_seq_len // 2)
-        elif not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < self.max_seq_len:
-            raise ConfigError(f"spec_calibration_context={c!r} must be an integer in [0, max_seq_len={self.max_seq_len})")
-        if self.long_prompt not in ("error", "truncate"):
-            raise ConfigError(f"long_prompt={self.long_prompt!r}; valid: error, truncate")
+        else:
+            int_in("spec_calibration_context", c, 0, self.max_seq_len, hi_text=f"max_seq_len={self.max_seq_len}")
+        one_of("long_prompt", self.long_prompt, ("error", "truncate"))
         check_kernel_impl(self.kernel_impl)
-        if self.cache_align is not None:
-            positive_int("cache_align")
-        if not isinstance(self.sampled_steps, bool):
-            raise ConfigError(f"sampled_steps={self.sampled_steps!r} must be True or False")
-        if not isinstance(self.time_phases, bool):
-            raise ConfigError(f"time_phases={self.time_phases!r} must be True or False")
+        optional(positive_int, "cache_align", self.cache_align)
+        flag("sampled_steps", self.sampled_steps)
+        flag("time_phases", self.time_phases)
         if self.time_phases and policy == "plain":
             raise ConfigError("time_phases is set but spec_policy='plain' (no draft or verify phase to time)")
         object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))

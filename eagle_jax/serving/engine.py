@@ -43,14 +43,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.checkpoint.load import load_models, tokenizer_for
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.models.draft import Eagle3Draft, check_compatible
 from eagle_jax.models.target import TargetModel
-from eagle_jax.runtime.sharding import describe_mesh, make_mesh, spans_processes
+from eagle_jax.runtime.sharding import make_mesh, spans_processes
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.serving.config import EngineConfig, default_policy, resolve_draft_sync
 from eagle_jax.serving.executor import Executor, StepResult
@@ -430,57 +429,16 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
     ctx = config.spec_calibration_context
     calibration = policy.calibrate(functools.partial(table.time_step, context=ctx), config.batch_buckets)
     calibration = f"{calibration} (each row at context {ctx})" if calibration else None
-    feature_note = ""
-    if table.draft is not None:
-        feature_note = f"; draft features {_feature_layers(target)}; draft sync {_sync_note(table, config)}"
+    features = f"; draft features {_feature_layers(target)}" if table.draft is not None else ""
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
         f"speculation {policy.describe()}"
         + (f", sampling verify {shapes[0].sampling_verify}" if shapes else "")
-        + f"; batch buckets {config.batch_buckets}; prompt buckets {config.prompt_buckets} "
-        f"(prefill batches {dict(table.prefill_batches)}); max_seq_len {config.max_seq_len} "
-        f"(target cache {table.target_cache_len} slots); dtype {jnp.dtype(target.dtype).name}; "
-        f"{_mesh_note(table)}; {table.plan.describe(table.verify_attention_path())}; "
-        f"NaN check {'on' if config.detect_nan else 'off'}"
-        + feature_note
-        + ("; time_phases on (draft and verify phases compiled and timed separately, slower than the fused step)"
-           if config.time_phases else "")
-        + (f"; proposer {proposer.describe()}" if proposer != EAGLE3 else "")
+        + f"; {table.describe()}; NaN check {'on' if config.detect_nan else 'off'}{features}"
+        + (f"; draft_sync={config.draft_sync}" if table.draft is not None else "")
     )
     log.info("eagle-jax engine ready: %s; %s%s", describe, report.describe(), f"; {calibration}" if calibration else "")
     return _Built(config, target, draft, tokenizer, policy, table, describe)
-
-
-def _sync_note(table: StepTable, config: EngineConfig) -> str:
-    s = table.draft_sync
-    how = ("plain steps and prefill store the draft's inputs, a speculative step first runs the draft over "
-           f"what is pending, {s.rows} rows x {s.width} positions at a time" if s.deferred
-           else "prefill and plain steps run the draft")
-    return f"{s.mode} ({how}; draft_sync={config.draft_sync})"
-
-
-def _mesh_note(table: StepTable) -> str:
-    """The mesh, its devices, and what the rules did that a reader would not guess."""
-    mesh = table.mesh
-    note = f"mesh {describe_mesh(mesh)} over {[str(d) for d in mesh.devices.flat]}"
-    if table.multi_process:
-        note += f" (process {jax.process_index()} of {jax.process_count()}; tokens read back replicated)"
-    if mesh.shape["model"] > 1:
-        kv = table.target.axis_sizes()["kv_heads"]
-        note += (f" (KV heads: {kv}, replicated over model={mesh.shape['model']})" if table.rules["kv_heads"] is None
-                 else f" (KV heads: {kv} split over model)")
-        note += f"; draft {'split over' if table.draft_sharding == 'model' else 'replicated over'} model" \
-            if table.draft is not None else ""
-    shards = mesh.shape.get("expert", 1)
-    if shards > 1:
-        e = table.target.axis_sizes()["experts"]
-        note += f" (routed experts: {e} split over expert={shards} ({e // shards} per device))"
-    d = mesh.shape["data"]
-    if d > 1:
-        odd = [b for b in table.batch_buckets if b % d]
-        note += (f"; batch buckets {odd} are not multiples of data={d}: their rows run replicated over data"
-                 if odd else f"; batch rows split over data={d}")
-    return note
 
 
 def _feature_layers(target) -> str:
