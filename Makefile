@@ -54,10 +54,13 @@ model: $(MODEL_DIR)/config.json
 demo: install model
 	$(VPY) scripts/demo.py
 
-# Fast and slow tests in two processes: fewer compiled graphs held at once.
+# Fast and slow tests in two processes (fewer compiled graphs held at once), sharing one
+# persistent compilation cache (tests/conftest.py): the slow pass reads back the graphs
+# the fast pass compiled for the same shapes instead of compiling them again.
 test: install-test model gguf
-	export EAGLE_JAX_GGUF=$(GGUF); \
-	  $(VPY) -m pytest -q -m "not slow" tests && $(VPY) -m pytest -q -m slow tests
+	export EAGLE_JAX_GGUF=$(GGUF) EAGLE_JAX_TEST_JIT_CACHE=$$(mktemp -d -t eagle-jax-test-jit-XXXXXX); \
+	  $(VPY) -m pytest -q -m "not slow" tests && $(VPY) -m pytest -q -m slow tests; \
+	  status=$$?; rm -rf "$$EAGLE_JAX_TEST_JIT_CACHE"; exit $$status
 
 test-fast: install-test
 	$(VPY) -m pytest -q -m "not slow" tests

@@ -18,8 +18,9 @@ def pytest_configure(config):
 
     import jax
 
-    # Under pytest-xdist (`make test` runs two workers) the controller configures first and
-    # its workers inherit the environment, so all of them share one cache directory.
+    # `make test` sets EAGLE_JAX_TEST_JIT_CACHE so its fast and slow passes share one
+    # directory; under pytest-xdist the controller configures first and its workers
+    # inherit the environment, so all of them share it too.
     cache = os.environ.get("EAGLE_JAX_TEST_JIT_CACHE")
     if not cache or not os.path.isdir(cache):
         cache = tempfile.mkdtemp(prefix="eagle-jax-test-jit-")
