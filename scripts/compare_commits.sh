@@ -11,6 +11,7 @@ old=${1:?usage: scripts/compare_commits.sh OLD_COMMIT [ROUNDS] [OUT_DIR]}
 rounds=${2:-2}
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${3:-$root/results/compare-$(git -C "$root" rev-parse --short "$old")}
+out=$(realpath -m "$out")  # the old tree runs from another directory: an absolute path for both
 py=$root/.venv/bin/python
 model=$root/checkpoints/smollm2-135m-instruct
 draft=$root/checkpoints/smollm2-135m-instruct-eagle3
