@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
                         "mode), and print draft/verify ms per step")
     g.add_argument("--max-seq-len", type=_positive_int, default=None, help="context limit (default: the model's)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: float32 on CPU, bfloat16 on GPU; bfloat16 on a CPU with the packed kernel streams bfloat16 weights with float32 arithmetic (activations and cache float32)")
     g.add_argument("--output", type=Path, default=None, help="write one JSON object per prompt to this JSONL file")
     add_mesh_argument(g)
     g.set_defaults(func=cmd_generate)

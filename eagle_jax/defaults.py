@@ -55,11 +55,18 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to the one that holds ``longest`` (capped at
-    ``max_seq_len``): each prompt is prefilled at its own bucket, so a short prompt in a
-    file of long documents costs what it costs alone."""
-    top = min(pow2_at_least(longest), max_seq_len)
+# The largest prefill chunk compiled by default (EngineConfig.prompt_buckets): longer
+# prompts go in several chunks. Chosen by measurement (docs/measuring.md, prefill
+# chunks): it bounds the prefill work an engine step adds while other requests decode.
+DEFAULT_MAX_CHUNK = 512
+
+
+def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_chunk: int = DEFAULT_MAX_CHUNK) -> tuple[int, ...]:
+    """Prefill chunk lengths: powers of two from ``smallest`` up to the one that holds
+    ``longest``, capped at ``max_chunk`` and ``max_seq_len`` (a longer prompt goes in
+    several chunks), so a short prompt in a file of long documents costs what it costs
+    alone."""
+    top = min(pow2_at_least(longest), max_seq_len, max_chunk)
     out, v = [], min(smallest, top)
     while v < top:
         out.append(v)

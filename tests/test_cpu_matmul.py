@@ -58,6 +58,56 @@ def test_matches_xla_dot(rows):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_bfloat16_panels_match_the_same_math_in_jnp(rows):
+    """bfloat16 panels (``pack_params(dtype="bfloat16")``): the float32 product of the
+    rounded weights, widened exactly in registers: a jnp reference of that math, to
+    float32 rounding (the sum's order differs)."""
+    nb = cpu_matmul.panel_width()
+    rng = np.random.default_rng(100 + rows)
+    k, n = 200, 3 * nb
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+    wp = cpu_matmul.pack(w)
+    assert wp.dtype == jnp.bfloat16 and wp.shape == (3, k, nb)
+    got = np.asarray(jax.jit(cpu_matmul.packed_matmul)(x, wp))
+    assert got.dtype == np.float32
+    want = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # Not the float32 weights' product: the weights were rounded (a check that the
+    # bfloat16 bits were read as such, not reinterpreted).
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.max(np.abs(got - exact)) < 1e-3
+
+
+def test_pack_params_in_bfloat16_keeps_activations_float32():
+    """A float32 model bound with bfloat16 panels: the kernels are bfloat16, the product
+    returns float32, and the logits are within bfloat16 weight rounding of float32's."""
+    from eagle_jax.models.config import ModelConfig
+    from eagle_jax.models.llama import BoundModules, KVCache, LlamaModel, causal_mask
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
+    target = LlamaModel(cfg)
+    f32, bf16 = BoundModules(target, pack=True), BoundModules(target, pack=True, pack_dtype="bfloat16")
+    assert bf16.packed == f32.packed > 0
+    assert {p.dtype for p in bf16.params[0] if p.ndim == 3} == {jnp.dtype(jnp.bfloat16)}
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 9)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(9), (1, 9))
+
+    def run(bound):
+        @jax.jit
+        def f(params):
+            (t,) = bound.modules(params)
+            h, _, _ = t(tokens, pos, KVCache.zeros(cfg, 1, 16), pos, causal_mask(pos, 16))
+            return h, t.logits(h)
+        return [np.asarray(a) for a in f(bound.params)]
+
+    (_, l32), (h16, l16) = run(f32), run(bf16)
+    assert h16.dtype == np.float32
+    assert 0 < np.max(np.abs(l16 - l32)) < 0.05 * np.max(np.abs(l32))
+
+
 def test_rows_independent_of_the_call_and_leading_dims():
     """A verify forward's rows get the bits a one-row plain step would give them."""
     nb = cpu_matmul.panel_width()

@@ -7,6 +7,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -315,6 +316,27 @@ def test_default_config_decodes_plainly_without_a_draft(model_dir, target):
     assert EngineConfig(spec_policy="fixed").speculative.shape == "tree S=3 k=4 T=8"
     assert EngineConfig(speculative=SPEC).spec_policy == "fixed"
     assert isinstance(default_policy(EngineConfig(spec_policy="fixed")), FixedPolicy)
+
+
+def test_bfloat16_on_a_cpu_streams_bfloat16_panels_and_stays_lossless(model_dir):
+    """``dtype="bfloat16"`` from a directory on a CPU with the packed kernel: the models
+    load in float32 and their products stream bfloat16 panels (the start-up line says
+    so); speculative output equals plain output under the same weights."""
+    from eagle_jax.kernels import cpu_matmul
+
+    if not cpu_matmul.status("cpu")[0]:
+        pytest.fail(f"the packed CPU kernel is unavailable here: {cpu_matmul.status('cpu')[1]}")
+    base = dict(max_batch=2, max_seq_len=64, prompt_buckets=(16,), dtype="bfloat16", sampled_steps=False)
+    plain = Engine(str(model_dir), None, EngineConfig(spec_policy="plain", **base), progress=False)
+    assert plain.table.plan.packed_dtype == "bfloat16" and plain.target.dtype == jnp.float32
+    assert "as bfloat16 (float32 arithmetic" in plain.description
+    prompts = [[5, 6, 7], list(range(3, 30))]
+    want = [c.token_ids for c in plain.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))]
+    fp32 = Engine(str(model_dir), None, EngineConfig(spec_policy="plain", **{**base, "dtype": "float32"}), progress=False)
+    assert fp32.table.plan.packed_dtype == "float32" and "as bfloat16" not in fp32.description
+    spec = Engine(str(model_dir), random_draft(plain.target.config, seed=2), EngineConfig(speculative=SPEC, **base), progress=False)
+    got = [c.token_ids for c in spec.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))]
+    assert got == want and spec.metrics.spec_steps > 0
 
 
 def test_the_serving_api_is_importable_from_the_package():

@@ -13,7 +13,7 @@ from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.models.config import ModelConfig
 from eagle_jax.serving.engine import Engine, EngineConfig
-from eagle_jax.errors import ConfigError, InputError
+from eagle_jax.errors import ConfigError
 from eagle_jax.serving.generate import Buckets, Generator
 from eagle_jax.models.llama import LlamaModel
 from eagle_jax.serving.policy import FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy
@@ -257,26 +257,29 @@ def test_requests_admitted_together_share_one_prefill(target, draft, monkeypatch
                  progress=False)
     assert eng.table.prefill_batches[16] == (1, 2, 4) and eng.table.prefill_batches[64] == (1, 2, 4)
     calls = []
-    real = eng.table.prefill
-    monkeypatch.setattr(eng.table, "prefill", lambda tokens, *a: calls.append(tokens.shape) or real(tokens, *a))
+    real = eng.table.prefill_chunk
+    monkeypatch.setattr(eng.table, "prefill_chunk", lambda state, tokens, *a: calls.append(tokens.shape) or real(state, tokens, *a))
     prompts = [[5, 6, 7], [8, 9], [10] * 20, [11, 12, 13, 14]]
     out = eng.generate(prompts, _greedy(6))
     # Three short prompts: one call of 2 and one of 1 (the largest compiled sizes that fit);
-    # the long one in its own bucket.
-    assert sorted(calls) == [(1, 16), (1, 64), (2, 16)]
+    # the long one in its own chunk (20 tokens: 16 + 4 would pad less than 64 does, but a
+    # 64-chunk pads by more than the smallest chunk, so 16 then 16).
+    assert sorted(calls) == [(1, 16), (1, 16), (1, 16), (2, 16)]
     ref = Generator(target, buckets=Buckets(batch=(4,), prompt=(32,), cache=(64,))).generate(prompts, _greedy(6))
     assert [c.token_ids for c in out] == [r.token_ids for r in ref]
 
 
-def test_prompt_longer_than_the_largest_bucket_is_refused_or_truncated(target):
+def test_prompt_longer_than_the_largest_bucket_goes_in_chunks(target):
+    """No refusal and no truncation below max_seq_len: the prompt is prefilled in chunks,
+    with the output of one whole prefill."""
     cfg = EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None)
     eng = Engine(target, None, cfg, progress=False)
-    with pytest.raises(InputError, match="the largest prompt bucket is 16"):
-        eng.add_request(list(range(3, 23)), _greedy(4))
-    eng = Engine(target, None, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=64, prompt_buckets=(16,), speculative=None,
-                                            long_prompt="truncate"), progress=False)
-    [c] = eng.generate([list(range(3, 23))], [_greedy(4)])
-    assert c.truncated_prompt and c.prompt_token_ids == list(range(7, 23))
+    prompt = list(range(3, 23))
+    [c] = eng.generate([prompt], [_greedy(4)])
+    assert not c.truncated_prompt and c.prompt_token_ids == prompt
+    assert eng.metrics.prefill_chunks == 2 and eng.metrics.prefill_tokens == 20
+    ref = Generator(target, buckets=Buckets(batch=(1,), prompt=(32,), cache=(64,))).generate([prompt], _greedy(4))
+    assert c.token_ids == ref[0].token_ids
 
 
 # ----------------------------------------------------------------------------- requests
@@ -353,13 +356,17 @@ def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
 
 
 def test_cli_prompt_buckets_follow_the_longest_prompt():
-    """Each prompt is prefilled at its own power-of-two bucket: a file of 40-token
-    questions and 1,000-token documents keeps a 64-token bucket for the questions."""
+    """Each prompt is prefilled in chunks of powers of two up to the largest chunk: a file
+    of 40-token questions and 1,000-token documents keeps a 64-token chunk for the
+    questions, and the documents go in chunks of at most DEFAULT_MAX_CHUNK."""
     from eagle_jax.cli import prompt_buckets_for
+    from eagle_jax.defaults import DEFAULT_MAX_CHUNK
 
+    assert DEFAULT_MAX_CHUNK == 512
     assert prompt_buckets_for(40, 2048) == (64,)
-    assert prompt_buckets_for(1000, 2048) == (64, 128, 256, 512, 1024)
-    assert prompt_buckets_for(1500, 1536) == (64, 128, 256, 512, 1024, 1536)
+    assert prompt_buckets_for(1000, 2048) == (64, 128, 256, 512)
+    assert prompt_buckets_for(1000, 2048, max_chunk=1024) == (64, 128, 256, 512, 1024)
+    assert prompt_buckets_for(1500, 384) == (64, 128, 256, 384)
     assert prompt_buckets_for(10, 16) == (16,)
 
 

@@ -1,4 +1,7 @@
 // Float32 matrix products against pre-packed weights, for XLA:CPU through the XLA FFI.
+// The weights are float32 or bfloat16 (eagle_packed_matmul_bf16: half the bytes to
+// stream, widened exactly to float32 in registers, so the arithmetic is the float32
+// kernel's on the rounded weights).
 //
 // Why: XLA:CPU runs a product of a few rows (a verify forward: 4 to 16 tokens) through a
 // general GEMM that re-packs the weights on every call, so 6 rows cost about 2x one row
@@ -77,9 +80,33 @@ static inline vf splat(float s) { return vf{} + s; }
 static inline vf fma(vf a, vf b, vf c) { return a * b + c; }  // contracted by -ffp-contract=fast
 #endif
 
+// How a panel's weights are stored, and loaded as float32 vectors.
+struct F32W {
+  using T = float;
+  static inline vf load(const float* p) { return loadu(p); }
+};
+// bfloat16 is the upper half of a float32: shifting its bits up 16 widens it exactly.
+struct BF16W {
+  using T = uint16_t;
+  static inline vf load(const uint16_t* p) {
+#if defined(__AVX512F__)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(__AVX2__) && defined(__FMA__)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+    float f[VW];
+    for (int i = 0; i < VW; ++i) {
+      const uint32_t u = uint32_t(p[i]) << 16;
+      std::memcpy(&f[i], &u, 4);
+    }
+    return loadu(f);
+#endif
+  }
+};
+
 // y[0:R, n0:n0+NB] = x[0:R, :] @ panel, the panel [K, NB] contiguous.
-template <int R>
-static inline void block(const float* __restrict x, const float* __restrict panel, float* __restrict y,
+template <int R, class W>
+static inline void block(const float* __restrict x, const typename W::T* __restrict panel, float* __restrict y,
                          int64_t K, int64_t N, int64_t n0) {
   vf acc[R][NV];
 #pragma GCC unroll 32
@@ -91,11 +118,13 @@ static inline void block(const float* __restrict x, const float* __restrict pane
     // Panels lie back to back, so past a panel's end this fetches the next one's start;
     // past the last one the address is only a hint (x86 prefetches never fault), formed
     // as an integer so no out-of-range pointer exists.
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel) + sizeof(float) * uintptr_t((k + PF) * NB);
+    // (A 64-byte line holds 16 floats or 32 bfloat16s: the float32 stride over-fetches
+    // the latter by one line in two, which costs nothing measurable.)
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel) + sizeof(typename W::T) * uintptr_t((k + PF) * NB);
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) __builtin_prefetch(reinterpret_cast<const void*>(ahead + sizeof(float) * v * VW), 0, 3);
+    for (int v = 0; v < NV; ++v) __builtin_prefetch(reinterpret_cast<const void*>(ahead + sizeof(typename W::T) * v * VW), 0, 3);
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) wk[v] = loadu(panel + k * NB + v * VW);
+    for (int v = 0; v < NV; ++v) wk[v] = W::load(panel + k * NB + v * VW);
 #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
       const vf xs = splat(x[r * K + k]);
@@ -109,22 +138,23 @@ static inline void block(const float* __restrict x, const float* __restrict pane
     for (int v = 0; v < NV; ++v) storeu(y + r * N + n0 + v * VW, acc[r][v]);
 }
 
-template <int R>
-static void rows_tail(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t n0, int64_t rows) {
+template <int R, class W>
+static void rows_tail(const float* x, const typename W::T* panel, float* y, int64_t K, int64_t N, int64_t n0, int64_t rows) {
   if constexpr (R > 0) {
-    if (rows == R) block<R>(x, panel, y, K, N, n0);
-    else rows_tail<R - 1>(x, panel, y, K, N, n0, rows);
+    if (rows == R) block<R, W>(x, panel, y, K, N, n0);
+    else rows_tail<R - 1, W>(x, panel, y, K, N, n0, rows);
   }
 }
 
 // Panels p0..p1 for every row.
-static void panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+template <class W>
+static void panels(const float* x, const typename W::T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * K * NB;
+    const typename W::T* panel = w + p * K * NB;
     const int64_t n0 = p * NB;
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) block<MR>(x + m * K, panel, y + m * N, K, N, n0);
-    if (m < M) rows_tail<MR - 1>(x + m * K, panel, y + m * N, K, N, n0, M - m);
+    for (; m + MR <= M; m += MR) block<MR, W>(x + m * K, panel, y + m * N, K, N, n0);
+    if (m < M) rows_tail<MR - 1, W>(x + m * K, panel, y + m * N, K, N, n0, M - m);
   }
 }
 
@@ -133,22 +163,23 @@ static void panels(const float* x, const float* w, float* y, int64_t M, int64_t 
 // run; the caller waits only for chunks a helper has already claimed, so a helper that
 // is still queued (every pool thread busy) never holds the call up. The state is shared
 // so that a helper which starts after the call returned finds no chunk and leaves.
+template <class W>
 struct Job {
   const float* x;
-  const float* w;
+  const typename W::T* w;
   float* y;
   int64_t M, K, N, P, chunks;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      panels(x, w, y, M, K, N, P * c / chunks, P * (c + 1) / chunks);
+      panels<W>(x, w, y, M, K, N, P * c / chunks, P * (c + 1) / chunks);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                               ffi::ResultBuffer<ffi::F32> y) {
+template <class W, class WBuf>
+static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuf w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != NB || wd[1] != xd[1])
@@ -161,9 +192,9 @@ static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread balance the load; a chunk is never less than a panel.
   const int64_t chunks = std::min<int64_t>(P, threads == 1 ? 1 : 4 * threads);
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
-  job->w = w.typed_data();
+  job->w = reinterpret_cast<const typename W::T*>(w.untyped_data());
   job->y = y->typed_data();
   job->M = M; job->K = K; job->N = N; job->P = P; job->chunks = chunks;
   for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([job] { job->work(); });
@@ -176,11 +207,28 @@ static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
+static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                               ffi::ResultBuffer<ffi::F32> y) {
+  return Run<F32W>(pool, x, w, y);
+}
+
+static ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                                   ffi::ResultBuffer<ffi::F32> y) {
+  return Run<BF16W>(pool, x, w, y);
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul_bf16, PackedMatmulBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // The panel width this build packs for (the Python side packs to match).

@@ -50,6 +50,7 @@ SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")
 SOURCES = (SOURCE, ATTENTION_SOURCE)
 TARGET = "eagle_packed_matmul"
+TARGET_BF16 = "eagle_packed_matmul_bf16"  # bfloat16 panels, float32 arithmetic
 ATTENTION_TARGET = "eagle_prefix_attention"
 FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 MODES = ("auto", "packed", "xla")
@@ -136,6 +137,7 @@ def _load() -> tuple[int | None, str, Path | None]:
         return None, f"loading {lib_path} failed: {e}", None
     nb = int(lib.eagle_packed_matmul_nb())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.eagle_packed_matmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.eagle_packed_matmul_bf16), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefix_attention), platform="cpu")
     lib.eagle_packed_matmul_isa.restype = ctypes.c_char_p
     isa = lib.eagle_packed_matmul_isa().decode()
@@ -192,37 +194,42 @@ def unpack(wp: jax.Array) -> jax.Array:
 
 def packable(w) -> bool:
     nb = panel_width()
+    # float32 only: a model loaded in bfloat16 computes in it (bfloat16 panels come from
+    # float32 weights, ``pack_params(dtype="bfloat16")``).
     return getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32 and w.shape[1] % nb == 0 and w.shape[1] >= nb
 
 
 def packed_matmul(x: jax.Array, wp: jax.Array) -> jax.Array:
-    """``x [..., K] @ unpack(wp)`` -> ``[..., N]``, float32, through the FFI kernel."""
+    """``x [..., K] @ unpack(wp)`` -> ``[..., N]``, float32, through the FFI kernel
+    (float32 or bfloat16 panels; the arithmetic is float32 either way)."""
     p, k, nb = wp.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], p * nb), jnp.float32))(x2, wp)
+    target = TARGET_BF16 if wp.dtype == jnp.bfloat16 else TARGET
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], p * nb), jnp.float32))(x2, wp)
     return y.reshape(*lead, p * nb)
 
 
 # id(source array) -> its packed copy, dropped when the source is collected: every step
 # table built over one target (a Generator keeps one engine per call shape) shares one
 # packed copy instead of packing, and holding, its own.
-_PACKED: dict[int, jax.Array] = {}
+_PACKED: dict[tuple[int, str], jax.Array] = {}
 
 
-def _packed_once(w: jax.Array) -> jax.Array:
-    key = id(w)
+def _packed_once(w: jax.Array, dtype: str) -> jax.Array:
+    key = (id(w), dtype)
     if key not in _PACKED:
-        _PACKED[key] = pack(w)
+        _PACKED[key] = pack(jnp.asarray(w).astype(dtype))
         weakref.finalize(w, _PACKED.pop, key, None)
     return _PACKED[key]
 
 
-def pack_params(state) -> tuple[object, int]:
+def pack_params(state, dtype: str = "float32") -> tuple[object, int]:
     """A copy of an NNX state whose float32 Linear kernels (``...kernel`` leaves, and the
-    ``lm_head`` arrays) are packed; returns (state, number packed). Modules merged from
-    it run those products through ``packed_matmul`` (``Linear`` and the heads check the
-    kernel's rank). Each source array is packed once per process (``_packed_once``)."""
+    ``lm_head`` arrays) are packed, as ``dtype`` panels ("float32" or "bfloat16");
+    returns (state, number packed). Modules merged from it run those products through
+    ``packed_matmul`` (``Linear`` and the heads check the kernel's rank). Each source
+    array is packed once per process and dtype (``_packed_once``)."""
     count = 0
 
     def f(path, leaf):
@@ -232,7 +239,7 @@ def pack_params(state) -> tuple[object, int]:
             name = getattr(path[-2], "key", getattr(path[-2], "name", None))
         if name in ("kernel", "lm_head") and packable(leaf):
             count += 1
-            return _packed_once(leaf)
+            return _packed_once(leaf, dtype)
         return leaf
 
     out = jax.tree_util.tree_map_with_path(f, state)

@@ -69,6 +69,9 @@ class ExecutionPlan:
         forward and the plain step, or None (the target's ``PrefixMask`` path).
       matmul: "packed" (bind float32 Linear kernels and heads as CPU column panels,
         ``cpu_matmul.pack_params``) or "xla".
+      packed_dtype: the panels' dtype: "float32", or "bfloat16" (``dtype="bfloat16"`` on a
+        CPU: half the bytes each step streams, widened in registers; the model runs in
+        float32 otherwise, since XLA:CPU emulates bfloat16 arithmetic slowly).
       prefix_attention: "cpu" (the CPU FFI kernel where the shape fits) or "xla".
       mesh: the mesh of several devices the Pallas kernels (and expert-parallel MoE)
         run under ``shard_map`` over; None on one device.
@@ -88,6 +91,7 @@ class ExecutionPlan:
     devices: int = 1
     matmul_note: str = "XLA dot"
     packed: int = 0
+    packed_dtype: str = "float32"
     compute_capability: str | None = None
 
     def __post_init__(self):
@@ -96,6 +100,9 @@ class ExecutionPlan:
         one_of("tree_attention", self.tree_attention, TREE_ATTENTIONS)
         one_of("matmul", self.matmul, MATMULS)
         one_of("prefix_attention", self.prefix_attention, PREFIX_ATTENTIONS)
+        one_of("packed_dtype", self.packed_dtype, ("float32", "bfloat16"))
+        if self.packed_dtype == "bfloat16" and self.matmul != "packed":
+            raise ValueError("packed_dtype='bfloat16' needs matmul='packed'")
 
     @property
     def expert_shards(self) -> int:
@@ -125,7 +132,10 @@ class ExecutionPlan:
     @property
     def matmul_path(self) -> str:
         """What the matrix products run on (and how many matrices were packed)."""
-        return self.matmul_note + (f", {self.packed} matrices packed" if self.matmul == "packed" else "")
+        if self.matmul != "packed":
+            return self.matmul_note
+        dtype = ", as bfloat16 (float32 arithmetic, activations and cache)" if self.packed_dtype == "bfloat16" else ""
+        return f"{self.matmul_note}, {self.packed} matrices packed{dtype}"
 
     def verify_attention(self, heads: int, cache_shape: Sequence[int], cache_dtype,
                          spec_widths: Sequence[tuple[str, int]], plain: bool) -> str:

@@ -650,9 +650,9 @@ class BoundModules:
     model), which is host time on the critical path of every decode step.
     """
 
-    def __init__(self, *modules: nnx.Module | None, pack: bool = False):
-        # pack: bind float32 Linear kernels and heads as CPU column panels (inference only;
-        # ``cpu_matmul``); ``packed`` counts them.
+    def __init__(self, *modules: nnx.Module | None, pack: bool = False, pack_dtype: str = "float32"):
+        # pack: bind float32 Linear kernels and heads as CPU column panels of ``pack_dtype``
+        # (inference only; ``cpu_matmul``); ``packed`` counts them.
         # ``axes``: the logical axes of every leaf of ``params`` (same structure), from
         # the parameters' ``logical_axes`` metadata; the step table shards by them.
         self._graphs, self._treedefs, params, axes = [], [], [], []
@@ -667,7 +667,7 @@ class BoundModules:
             graph, state = nnx.split(m)
             names = parameter_axes(state)
             if pack:
-                state, n = pack_params(state)
+                state, n = pack_params(state, pack_dtype)
                 self.packed += n
             leaves, treedef = jax.tree.flatten(state)
             if len(leaves) != len(names):  # one array per Variable: a programming error otherwise

@@ -20,11 +20,13 @@ from eagle_jax.kernels.plan import ExecutionPlan, check_kernel_impl
 
 
 def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend: str | None = None,
-                 compute_capability: str | None = None) -> ExecutionPlan:
+                 compute_capability: str | None = None, dtype: str | None = None) -> ExecutionPlan:
     """The plan for graphs on ``backend`` (default: JAX's default backend) over ``mesh``
     (None: one device) with verify kernels ``kernel_impl`` ("auto", "kernel",
     "reference"; a ``ConfigError`` otherwise). ``compute_capability``: the GPU's
-    (default: the first device's, on a GPU backend). Rules: ``kernels.plan``."""
+    (default: the first device's, on a GPU backend). ``dtype``: the weights' dtype asked
+    for ("bfloat16" on a CPU with the packed kernel: bfloat16 panels, float32
+    arithmetic; see ``model_dtype``). Rules: ``kernels.plan``."""
     check_kernel_impl(kernel_impl)
     backend = backend or jax.default_backend()
     devices = 1 if mesh is None else mesh.size
@@ -50,7 +52,16 @@ def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend
         devices=devices,
         matmul_note=note,
         compute_capability=compute_capability,
+        packed_dtype="bfloat16" if packed and dtype == "bfloat16" else "float32",
     )
+
+
+def model_dtype(plan: ExecutionPlan, dtype: str | None) -> str | None:
+    """The dtype to load the models in under ``plan`` for weights of ``dtype``: float32
+    where the plan packs bfloat16 panels (the activations and caches stay float32: the
+    CPU's bfloat16 arithmetic is emulated, about 10x slower than float32 on a 2-core
+    Xeon), ``dtype`` otherwise."""
+    return "float32" if plan.packed_dtype == "bfloat16" else dtype
 
 
 def xla_plan(backend: str | None = None) -> ExecutionPlan:

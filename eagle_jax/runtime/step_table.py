@@ -182,6 +182,9 @@ class StepTable:
         target's rules fitted to the draft's sizes).
       draft_sync: how plain steps and prefill keep the draft (``speculative.DraftSync``
         or its mode, "eager" or "deferred"); with no draft it does not apply.
+      weight_dtype: the weights' dtype asked for; "bfloat16" on a CPU with the packed
+        kernel binds float32 weights as bfloat16 panels (``runtime.plan.model_dtype``:
+        load the models in float32 for it).
     """
 
     def __init__(
@@ -190,7 +193,7 @@ class StepTable:
         prefill_token_budget: int = 512, kernel_impl: str = "auto", check_finite: bool = False,
         time_phases: bool = False, proposer: Proposer = EAGLE3,
         mesh: Mesh | None = None, cache_align: int | None = None, plain: bool = True, sampled: bool = True,
-        draft_sharding: str = "replicated", draft_sync: DraftSync | str = "eager",
+        draft_sharding: str = "replicated", draft_sync: DraftSync | str = "eager", weight_dtype: str | None = None,
     ):
         shapes = tuple(dict.fromkeys(shapes))  # unique, in order
         if shapes and draft is None:
@@ -226,13 +229,13 @@ class StepTable:
         # rules in kernels.plan) and passed to each (plan=): the verify kernels and tree
         # attention by backend and kernel_impl, the CPU FFI kernels where they build on one
         # device, the Pallas kernels under shard_map over a mesh of several devices.
-        self.plan = resolve_plan(kernel_impl=kernel_impl, mesh=self.mesh)
+        self.plan = resolve_plan(kernel_impl=kernel_impl, mesh=self.mesh, dtype=weight_dtype)
         self.kernel_impl = kernel_impl
         self.cache_align = cache_align or self.plan.cache_align
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
         }
-        self._bound = BoundModules(target, draft, pack=self.plan.matmul == "packed")
+        self._bound = BoundModules(target, draft, pack=self.plan.matmul == "packed", pack_dtype=self.plan.packed_dtype)
         self.plan = dataclasses.replace(self.plan, packed=self._bound.packed)
         # Sharding rules: the target's from its sizes (a ConfigError when the mesh does not
         # fit it; KV heads replicated where they do not divide "model"). The draft runs
@@ -370,17 +373,21 @@ class StepTable:
         fin = (lambda b: hsh(b, 1)) if self.check_finite else (lambda b: None)
         proposer, width = self.proposer, self.proposer.row_width
 
+        for n in sorted(self._prefill_sizes() - set(self.batch_buckets)):
+            _, sh = self._structs(n)
+            jobs.append((f"zeros batch {n}", ("zeros", n), self._thunk(lambda n=n: init_from_spec(self._specs[n]), (), sh, (), ())))
         for p in self.prompt_buckets:
             for n in self.prefill_batches[p]:
-                def prefill(params, tokens, lengths, samp, n=n):
+                def prefill(params, state, tokens, start, lengths, next_tokens, samp):
                     t, d = self._modules(params)
-                    state = init_from_spec(self._specs[n])
-                    return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False, plan=self.plan)
+                    return prefill_impl(t, d, state, tokens, lengths, samp, greedy_only=False, plan=self.plan,
+                                        start=start, next_tokens=next_tokens)
 
-                _, sh = self._structs(n)
-                args = (self.params, self._int_struct(n, p), self._int_struct(n), self._samp_struct(n))
-                in_sh = (psh, bsh(n, 2), bsh(n, 1), self._samp_shardings(n))
-                jobs.append((f"prefill {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, hsh(n, 1)), (), args)))
+                st, sh = self._structs(n)
+                i1 = self._int_struct(n)
+                args = (self.params, st, self._int_struct(n, p), i1, i1, i1, self._samp_struct(n))
+                in_sh = (psh, sh, bsh(n, 2), bsh(n, 1), bsh(n, 1), bsh(n, 1), self._samp_shardings(n))
+                jobs.append((f"prefill chunk {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, hsh(n, 1)), (1,), args)))
 
         for b in self.batch_buckets:
             st, sh = self._structs(b)
@@ -572,11 +579,21 @@ class StepTable:
         admitted together (the largest compiled one that does not exceed it)."""
         return _largest_at_most(self.prefill_batches[prompt_len], n_requests)
 
+    def prefill_chunk(self, state: SpecState, tokens, start, lengths, next_tokens, samp: SamplingArrays):
+        """Prefill one chunk ``tokens [n, c]`` of ``n`` prompts at positions ``start [n]``
+        into ``state`` (``n`` rows, donated; ``zeros(n)`` before the first chunk):
+        ``(state, first_token [n])``, the first token valid for the rows whose prompt
+        (``lengths``) ends in the chunk. ``next_tokens [n]``: each prompt's token after
+        the chunk (see ``steps.prefill_impl``)."""
+        n, c = tokens.shape
+        return self._get(("prefill", n, c))(self.params, state, tokens, start, lengths, next_tokens, samp)
+
     def prefill(self, tokens, lengths, samp: SamplingArrays):
-        """Prefill ``tokens [n, p]`` (right-padded) into a fresh ``n``-row state:
-        ``(row_state, first_token [n])``."""
-        n, p = tokens.shape
-        return self._get(("prefill", n, p))(self.params, tokens, lengths, samp)
+        """Prefill whole prompts ``tokens [n, p]`` (right-padded, ``p`` a prompt bucket)
+        into a fresh ``n``-row state in one chunk: ``(row_state, first_token [n])``."""
+        n, _ = tokens.shape
+        zero = self.device_put_rows(np.zeros(n, np.int32))
+        return self.prefill_chunk(self.zeros(n), tokens, zero, lengths, zero, samp)
 
     def zeros(self, b: int) -> SpecState:
         return self._get(("zeros", b))()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from eagle_jax.defaults import DEFAULT_MAX_CHUNK
 from eagle_jax.errors import ConfigError
 from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
@@ -37,10 +38,16 @@ class EngineConfig:
       max_batch: requests decoded at once (more are queued).
       max_seq_len: context of one request (prompt + new tokens).
       batch_buckets: padded batch sizes compiled (default powers of two up to max_batch).
-      prompt_buckets: padded prompt lengths compiled for prefill (default powers of two
-        from 64 up to max_seq_len), so a prompt costs what its own bucket costs. A prompt
-        longer than the largest bucket is refused (or truncated, with ``long_prompt``).
+      prompt_buckets: the prefill chunk lengths compiled (default powers of two from 64
+        up to ``min(max_seq_len, DEFAULT_MAX_CHUNK)``). A prompt is prefilled in chunks
+        of these (``scheduler.chunk_plan``): full chunks of the largest that fit, then one
+        that pads by less than the smallest, so a prompt costs what its own length costs
+        and any prompt shorter than ``max_seq_len`` is served.
       dtype: "float32", "bfloat16", "float16" or None (float32 on CPU, bfloat16 on GPU).
+        "bfloat16" on a CPU with the packed kernel loads the models in float32 and binds
+        their matrices as bfloat16 panels (half the bytes a decode step streams; the
+        arithmetic, activations and caches stay float32, since XLA:CPU emulates bfloat16
+        arithmetic about 10x slower); elsewhere the models run in the dtype given.
       speculative: the draft shape of the "fixed" and "threshold" policies (default
         ``spec_config.default_shape()``, tree S=3 k=4 T=8), and the sampling settings
         (``sampling_verify``, thresholds) of every policy's shapes.
@@ -82,8 +89,11 @@ class EngineConfig:
         ``EngineMetrics.summary()`` reports ``draft_s``, ``verify_s`` and ``draft_share``.
         Costs the host/device overlap of speculative steps (a measuring mode, not for
         serving); plain steps are unaffected. Needs a draft and a policy that speculates.
-      prefill_token_budget: requests admitted together are prefilled in one call while
-        their padded prompts fit this many tokens (``runtime.default_prefill_batches``).
+      prefill_token_budget: the prefill tokens (padded) launched per engine step: one
+        chunk at least, then more while they fit. While other requests decode, a long
+        prompt delays each of their steps by this much prefill rather than its whole
+        prompt. Requests admitted together that share a chunk plan are prefilled in one
+        call while their chunks fit it (``runtime.default_prefill_batches``).
       sampled_steps: compile steps for batches with sampled requests; False compiles the
         greedy steps only (half the graphs) and refuses requests with temperature > 0.
       cache_align: round the target cache up to a multiple of this many slots (default:
@@ -140,7 +150,7 @@ class EngineConfig:
         if self.batch_buckets is None:
             object.__setattr__(self, "batch_buckets", _powers_of_two(1, self.max_batch))
         if self.prompt_buckets is None:
-            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), self.max_seq_len))
+            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), min(self.max_seq_len, DEFAULT_MAX_CHUNK)))
         for name, top in (("batch_buckets", self.max_batch), ("prompt_buckets", self.max_seq_len)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)

@@ -43,12 +43,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.checkpoint.load import load_models, tokenizer_for
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.models.draft import Eagle3Draft, check_compatible
 from eagle_jax.models.target import TargetModel
+from eagle_jax.runtime.plan import model_dtype, resolve_plan
 from eagle_jax.runtime.sharding import make_mesh, spans_processes
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.serving.config import EngineConfig, default_policy, resolve_draft_sync
@@ -144,7 +146,8 @@ class Engine:
             raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self._encode(prompt)
         rid = self.scheduler.new_id(request_id)
-        # Length is checked below: the engine can truncate instead of refusing.
+        # Length is checked below: the engine can truncate instead of refusing. A prompt
+        # longer than the largest prompt bucket is prefilled in chunks.
         check_prompt(repr(rid), ids, None, self.target.config.vocab_size)
         if not params.greedy and not self.config.sampled_steps:
             raise InputError(
@@ -152,15 +155,6 @@ class Engine:
             )
         truncated = False
         limit = self.config.max_seq_len
-        longest = self.config.prompt_buckets[-1]
-        if len(ids) > longest and len(ids) < limit:
-            if self.config.long_prompt == "error":
-                raise InputError(
-                    f"request {rid!r}: the prompt has {len(ids)} tokens; the largest prompt bucket is {longest} "
-                    f"(EngineConfig.prompt_buckets; set long_prompt='truncate' to keep the last tokens)"
-                )
-            log.warning("request %r: prompt of %d tokens truncated to its last %d (largest prompt bucket)", rid, len(ids), longest)
-            ids, truncated = ids[-longest:], True
         if len(ids) >= limit:
             if self.config.long_prompt == "error":
                 raise InputError(
@@ -168,7 +162,6 @@ class Engine:
                     f"new token (set long_prompt='truncate' to keep the last tokens)"
                 )
             keep = max(1, limit - params.max_new_tokens) if params.max_new_tokens < limit else limit // 2
-            keep = min(keep, longest)
             log.warning("request %r: prompt of %d tokens truncated to its last %d (max_seq_len %d)", rid, len(ids), keep, limit)
             ids, truncated = ids[-keep:], True
         progress = RequestProgress(
@@ -223,9 +216,10 @@ class Engine:
         dispatch_before, wait_before = m.dispatch_s, m.device_wait_s
         self._schedule()
         launched = None
-        if self.scheduler.live:
-            shape = self._choose(len(self.scheduler.slots))
-            launched = self.executor.step(self.scheduler.slots, shape, in_flight=self._pending is not None)
+        rows = self.scheduler.decoding_rows()
+        if any(r is not None for r in rows):
+            shape = self._choose(len(rows))
+            launched = self.executor.step(rows, shape, in_flight=self._pending is not None)
             self._count_step(launched.bucket, shape)
         wait = 0.0
         if self._pending is not None:
@@ -274,21 +268,22 @@ class Engine:
     # -- internals
 
     def _schedule(self) -> None:
-        """Free finished rows, grow or shrink the batch bucket, seat and prefill the queue."""
+        """Free finished rows, grow or shrink the batch bucket, seat the queue, and launch
+        this step's prefill chunks (``EngineConfig.prefill_token_budget`` tokens)."""
         s, x = self.scheduler, self.executor
         if s.free_finished():
             x.rows_changed()
         grow = s.grow_to()
         if grow is not None:
             x.gather(s.resize(grow))
-        for p_len, seated in s.admit(self.table.prefill_batch):
-            x.prefill(p_len, seated)
-            now = time.perf_counter()
-            for req, _ in seated:
+        now = time.perf_counter()
+        for job in s.admit(self.table.prefill_batch):
+            for req in job.requests:
                 req.metrics.admitted = now
         shrink = s.shrink_to()
         if shrink is not None:
             x.gather(s.resize(shrink))
+        x.prefill(s, self.config.prefill_token_budget)
 
     def _choose(self, b: int) -> SpeculativeConfig | None:
         shape = self.policy.choose(b)
@@ -401,7 +396,15 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
             f"policy {type(policy).__name__} decides from measured step times, which differ between the "
             f"{jax.process_count()} processes of this run; use a fixed or threshold policy across processes"
         )
-    target, draft = load_models(target, draft, config.dtype, mesh)
+    # bfloat16 on a CPU with the packed kernel: float32 models whose products stream
+    # bfloat16 panels (runtime.plan.model_dtype); elsewhere the models in the dtype asked.
+    plan = resolve_plan(kernel_impl=config.kernel_impl, mesh=mesh, dtype=config.dtype)
+    target, draft = load_models(target, draft, model_dtype(plan, config.dtype), mesh)
+    if jnp.dtype(target.dtype) == jnp.bfloat16 and plan.backend == "cpu":
+        log.warning("bfloat16 weights and arithmetic on a CPU: XLA emulates bfloat16 arithmetic here (about 10x slower "
+                    "than float32 on a 2-core Xeon); %s", "the packed kernel is unavailable (" + plan.matmul_note + "), "
+                    "use float32" if plan.matmul != "packed" else "give the target as a directory for the packed "
+                    "bfloat16 path, or use float32")
     if draft is not None:
         check_compatible(draft.config, target.config)
         for s in shapes:
@@ -424,6 +427,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
         plain=policy.runs_plain, sampled=config.sampled_steps, cache_align=config.cache_align, mesh=mesh,
         draft_sharding=config.draft_sharding,
         draft_sync=resolve_draft_sync(config.draft_sync, policy, mesh.size),  # the table ignores it without a draft
+        weight_dtype=config.dtype,
     )
     report = table.build(progress)
     ctx = config.spec_calibration_context

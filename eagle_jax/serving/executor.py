@@ -19,6 +19,7 @@ import numpy as np
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.serving.metrics import EngineMetrics
 from eagle_jax.serving.requests import Request
+from eagle_jax.serving.scheduler import PrefillJob, Scheduler
 from eagle_jax.spec.config import SpeculativeConfig
 from eagle_jax.spec.sampling import SamplingParams
 
@@ -98,26 +99,70 @@ class Executor:
         if self._rows is not None:
             self._rows, self._rows_dev = self._rows[np.asarray(rows)], None
 
-    def prefill(self, p_len: int, seated: list[tuple[Request, int]]) -> None:
-        """Prefill ``seated`` requests' prompts (padded to ``p_len``) in one call and insert
-        them at their rows; their first tokens come back with the next step's results."""
-        t, n = self.table, len(seated)
-        tokens = np.zeros((n, p_len), np.int32)
-        lengths = np.zeros(n, np.int32)
-        for i, (req, _) in enumerate(seated):
-            tokens[i, : len(req.prompt)] = req.prompt
-            lengths[i] = len(req.prompt)
-        samp = t.sampling([req.params for req, _ in seated], n)
-        self._other_work = True  # the next step's interval would include this prefill
-        rows_state, first = self._launch(t.prefill, t.device_put_rows(tokens), t.device_put_rows(lengths), samp)
-        rows = t.device_put_rows(np.asarray([row for _, row in seated], np.int32))
-        self.state = self._launch(t.insert, self.state, rows_state, rows)
+    def prefill(self, s: Scheduler, budget: int) -> list[Request]:
+        """Launch the queued prefill jobs' next chunks, oldest job first, while they fit
+        ``budget`` padded tokens (one chunk at least, however large); a job whose last
+        chunk is launched joins the batch at its requests' rows now (they decode from the
+        next step on, and their first tokens come back with its results). Returns the
+        requests that joined."""
+        spent, joined = 0, []
+        while s.prefilling:
+            job = s.prefilling[0]
+            if all(r.done for r in job.requests):  # every request cancelled while prefilling
+                s.prefilling.popleft()
+                continue
+            if spent and spent + job.next_tokens > budget:
+                break
+            spent += job.next_tokens
+            self._chunk(job)
+            if job.chunk == len(job.plan):
+                s.prefilling.popleft()
+                self._join(job, s)
+                joined += [r for r in job.requests if not r.done]
+        return joined
+
+    def _chunk(self, job: PrefillJob) -> None:
+        t, n = self.table, len(job.requests)
+        c, start = job.plan[job.chunk], job.start
+        tokens = np.zeros((n, c), np.int32)
+        nxt = np.zeros(n, np.int32)
+        lengths = np.asarray([len(r.prompt) for r in job.requests], np.int32)
+        for i, r in enumerate(job.requests):
+            piece = r.prompt[start : start + c]
+            tokens[i, : len(piece)] = piece
+            if start + c < len(r.prompt):
+                nxt[i] = r.prompt[start + c]
+        if job.state is None:
+            job.state = self._launch(t.zeros, n)
+            job.samp = t.sampling([r.params for r in job.requests], n)
+        put = t.device_put_rows
+        state, job.state = job.state, None  # donated
+        job.state, first = self._launch(t.prefill_chunk, state, put(tokens), put(np.full(n, start, np.int32)),
+                                        put(lengths), put(nxt), job.samp)
+        job.chunk += 1
+        m = self.metrics
+        m.prefill_chunks += 1
+        m.prefill_tokens += int(np.clip(lengths - start, 0, c).sum())
+        m.prefill_padded_tokens += n * c
+        self._other_work = True  # the next step's interval would include this chunk
+        if job.chunk == len(job.plan):
+            self._first_tokens.append((list(job.requests), first))
+
+    def _join(self, job: PrefillJob, s: Scheduler) -> None:
+        """The job's rows into the batch state at its requests' current rows (a request
+        cancelled meanwhile has no row: its row of the job is dropped)."""
+        t, b = self.table, len(self.state.seq_lens)
+        rows = [s.row_of(r) if not r.done else None for r in job.requests]
+        rows = [b if i is None else i for i in rows]  # past the end: dropped
+        self.state = self._launch(t.insert, self.state, job.state, t.device_put_rows(np.asarray(rows, np.int32)))
+        job.state = None
         self._samp = None
-        if self._rows is not None:
-            for req, row in seated:
-                self._rows[row] = req.proposer_row
-            self._rows_dev = None
-        self._first_tokens.append(([req for req, _ in seated], first))
+        for r, row in zip(job.requests, rows):
+            if row < b:
+                r.decoding = True
+                if self._rows is not None:
+                    self._rows[row] = r.proposer_row
+                    self._rows_dev = None
 
     def _sampling(self, slots: list[Request | None]):
         if self._samp is None:

@@ -91,6 +91,9 @@ class EngineMetrics:
     steps_by_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     timings: StepTimings = dataclasses.field(default_factory=StepTimings)  # steady-state steps only
     tokens: int = 0
+    prefill_chunks: int = 0  # prefill calls launched (one chunk of one job each)
+    prefill_tokens: int = 0  # prompt tokens they carried (padding excluded)
+    prefill_padded_tokens: int = 0  # their rows x chunk lengths (padding included)
     host_s: float = 0.0  # Python work of the host loop
     device_wait_s: float = 0.0  # blocked reading results
     dispatch_s: float = 0.0  # inside calls that launch device work (they block when the device queue is full)
@@ -118,6 +121,9 @@ class EngineMetrics:
                 (self.accepted_at_depth / max(self.spec_rows, 1)).round(4).tolist() if self.accepted_at_depth is not None else []
             ),
             "tokens": self.tokens,
+            "prefill_chunks": self.prefill_chunks,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_padding": 1 - self.prefill_tokens / self.prefill_padded_tokens if self.prefill_padded_tokens else 0.0,
             "tokens_per_second": self.tokens / self.wall_s if self.wall_s else 0.0,
             "host_s": round(self.host_s, 4),
             "device_wait_s": round(self.device_wait_s, 4),

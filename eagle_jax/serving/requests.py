@@ -125,7 +125,7 @@ class RequestMetrics:
 
     @property
     def queue_s(self) -> float | None:
-        """Arrival to admission (prefill dispatched)."""
+        """Arrival to admission (seated; its first prefill chunk dispatched)."""
         return None if self.admitted is None else self.admitted - self.arrival
 
     @property
@@ -208,6 +208,7 @@ class Request:
         self.proposer_row = proposer_row  # the proposer's data for this request (None: it reads none)
         self.metrics = RequestMetrics(arrival=time.perf_counter())
         self.cancelled = False
+        self.decoding = False  # its prefill is in the batch state (False: queued or still prefilling)
 
     @property
     def done(self) -> bool:

@@ -1,9 +1,17 @@
-"""Which request sits in which row of the batch: the queue, the slots, admission and
-batch-bucket changes. Host bookkeeping only: it decides, the executor moves the rows.
+"""Which request sits in which row of the batch: the queue, the slots, admission,
+prefill chunks and batch-bucket changes. Host bookkeeping only: it decides, the
+executor moves the rows.
 
 The live batch is a state whose rows are slots. A bucket change (more requests than
 rows, or few enough to fit a smaller bucket for ``hysteresis`` steps) gathers the live
 rows into a state of the new size; within a bucket, requests join and leave in place.
+
+A seated request first prefills: its prompt goes in chunks of the compiled prompt
+lengths (``chunk_plan``) into a state of its own (a ``PrefillJob``, with the requests
+seated beside it that share its plan), at most ``prefill_token_budget`` tokens per
+engine step while other requests decode, so a long prompt delays them by one chunk per
+step rather than its whole prefill. After its last chunk the job's rows move into the
+batch and decode from the next step.
 """
 
 from __future__ import annotations
@@ -16,12 +24,54 @@ from eagle_jax.errors import InputError
 from eagle_jax.serving.requests import Request
 
 
+def chunk_plan(length: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk lengths (from the increasing compiled ``chunks``) that prefill a prompt
+    of ``length`` tokens, in order: the largest chunk that fits the rest while the rest
+    does not end in one chunk padded by less than the smallest chunk. Every chunk but
+    the last is full, and the last pads by less than ``chunks[0]``.
+
+    >>> chunk_plan(300, (64, 128, 256)), chunk_plan(200, (64, 128, 256)), chunk_plan(1, (64, 256))
+    ((256, 64), (256,), (64,))
+    """
+    if length < 1:
+        raise ValueError(f"a prompt of {length} tokens")
+    out, rest = [], length
+    while True:
+        tail = [c for c in chunks if rest <= c < rest + chunks[0]]
+        if tail:
+            return tuple(out) + (tail[0],)
+        c = max(c for c in chunks if c <= rest)  # exists: rest > chunks[0] here
+        out.append(c)
+        rest -= c
+
+
+class PrefillJob:
+    """Requests seated together whose prompts share one chunk plan, prefilled chunk by
+    chunk into a state of their own (the executor holds it) before they join the batch."""
+
+    def __init__(self, plan: tuple[int, ...], requests: list[Request]):
+        self.plan, self.requests = plan, requests
+        self.chunk = 0  # chunks launched
+        self.state = None  # the job's rows on the device (the executor's; None before the first chunk)
+        self.samp = None  # their sampling arrays on the device
+
+    @property
+    def start(self) -> int:
+        """Prompt position of the next chunk."""
+        return sum(self.plan[: self.chunk])
+
+    @property
+    def next_tokens(self) -> int:
+        """Padded tokens of the next chunk, all rows."""
+        return self.plan[self.chunk] * len(self.requests)
+
+
 class Scheduler:
     """The engine's requests and slots.
 
     Args:
       batch_buckets: the compiled batch sizes, increasing; the first is the initial one.
-      prompt_buckets: the compiled prompt lengths, increasing.
+      prompt_buckets: the compiled prompt lengths (prefill chunks), increasing.
       max_batch: requests decoded at once (more wait in the queue).
       hysteresis: steps a smaller bucket must suffice before the batch shrinks to it.
     """
@@ -34,6 +84,7 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * batch_buckets[0]  # row -> its request (None: free)
         self._ids = itertools.count()
         self._shrink_wait = 0
+        self.prefilling: collections.deque[PrefillJob] = collections.deque()  # seated, in admission order
 
     # -- requests
 
@@ -82,9 +133,6 @@ class Scheduler:
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.batch_buckets if b >= n)
 
-    def prompt_bucket_for(self, n: int) -> int:
-        return next(b for b in self.prompt_buckets if b >= n)
-
     def grow_to(self) -> int | None:
         """The bucket the queue needs now, if larger than the current one."""
         while self.queue and self.queue[0].done:  # cancelled while queued
@@ -97,7 +145,8 @@ class Scheduler:
     def shrink_to(self) -> int | None:
         """A smaller bucket that has held every live request for ``hysteresis`` steps
         with nothing queued (counted per call: call once a step)."""
-        smaller = self.bucket_for(max(self.live, 1))
+        # Not below a prefilling job's rows: they join the batch in one insert.
+        smaller = self.bucket_for(max([self.live, 1] + [len(j.requests) for j in self.prefilling]))
         if smaller < len(self.slots) and not self.queue:
             self._shrink_wait += 1
             if self._shrink_wait >= self.hysteresis:
@@ -114,25 +163,41 @@ class Scheduler:
         self.slots = [self.slots[i] for i in live] + [None] * (new_b - len(live))
         return (live + [0] * (new_b - len(live)))[:new_b]
 
-    def admit(self, prefill_batch: Callable[[int, int], int]) -> list[tuple[int, list[tuple[Request, int]]]]:
-        """Seat queued requests in free rows (grow first: ``grow_to``); returns the prefill calls to make, as
-        (prompt bucket, [(request, row)]): requests admitted together share one call per
-        prompt bucket, ``prefill_batch(bucket, n)`` of them at a time (what compiled)."""
+    def decoding_rows(self) -> list[Request | None]:
+        """The slots as a step sees them: requests still prefilling are not in the batch
+        state yet (None, like free rows)."""
+        return [r if r is not None and r.decoding else None for r in self.slots]
+
+    @property
+    def decoding(self) -> int:
+        return sum(r is not None and r.decoding and not r.done for r in self.slots)
+
+    def admit(self, prefill_batch: Callable[[int, int], int]) -> list[PrefillJob]:
+        """Seat queued requests in free rows (grow first: ``grow_to``) and queue their
+        prefill jobs (also returned): requests seated together that share a chunk plan
+        form one job, ``prefill_batch(largest chunk, n)`` of them at a time (what compiled)."""
         free = [i for i, r in enumerate(self.slots) if r is None]
-        admitted: list[tuple[Request, int]] = []
+        admitted: list[Request] = []
         while self.queue and free:
             req = self.queue.popleft()
             if not req.done:
-                row = free.pop(0)
-                self.slots[row] = req
-                admitted.append((req, row))
-        by_bucket: dict[int, list[tuple[Request, int]]] = collections.defaultdict(list)
-        for req, row in admitted:
-            by_bucket[self.prompt_bucket_for(len(req.prompt))].append((req, row))
-        calls = []
-        for p_len, group in by_bucket.items():
+                self.slots[free.pop(0)] = req
+                admitted.append(req)
+        by_plan: dict[tuple[int, ...], list[Request]] = collections.defaultdict(list)
+        for req in admitted:
+            by_plan[chunk_plan(len(req.prompt), self.prompt_buckets)].append(req)
+        jobs = []
+        for plan, group in by_plan.items():
             while group:
-                n = prefill_batch(p_len, len(group))
-                calls.append((p_len, group[:n]))
+                n = prefill_batch(max(plan), len(group))
+                jobs.append(PrefillJob(plan, group[:n]))
                 group = group[n:]
-        return calls
+        self.prefilling.extend(jobs)
+        return jobs
+
+    def row_of(self, req: Request) -> int | None:
+        """``req``'s row now (rows move on a bucket change), or None if it left."""
+        for i, r in enumerate(self.slots):
+            if r is req:
+                return i
+        return None

@@ -531,30 +531,48 @@ def _finite_rows(logits: Float[Array, "B ... V"]) -> Bool[Array, "B"]:
 
 
 def prefill_impl(
-    target: TargetModel, draft: Eagle3Draft | None, state: SpecState, tokens: Int[Array, "B P"], lengths: Int[Array, "B"],
+    target: TargetModel, draft: Eagle3Draft | None, state: SpecState, tokens: Int[Array, "B C"], lengths: Int[Array, "B"],
     samp: SamplingArrays, *, greedy_only: bool, plan: ExecutionPlan = XLA_PLAN,
+    start: Int[Array, "B"] | None = None, next_tokens: Int[Array, "B"] | None = None,
 ):
-    """Prefill the target and (when there is one) the draft; ``state`` holds zeroed
-    caches. Returns (state, first token [B])."""
-    b, p = tokens.shape
+    """Prefill one chunk of each row's prompt: ``tokens[b]`` are prompt positions
+    ``start[b] .. start[b] + C - 1`` (right-padded past ``lengths[b]``, the whole prompt's
+    length), written into the target's cache (and the draft's, or its pending inputs) at
+    those positions; ``state`` holds the chunks before (``start`` None: a whole prompt
+    from position 0 into zeroed caches). ``next_tokens[b]``: the prompt token after the
+    chunk (the draft pairs the feature at the chunk's last position with it); ignored
+    where the prompt ends inside the chunk.
+
+    A row whose prompt ends in this chunk (``lengths <= start + C``) gets its first token
+    (sampled at position ``lengths``) as ``root`` and is ready to decode; the others
+    stand at ``seq_lens = start + C`` for the next chunk. Padding positions write cache
+    slots past the prompt, which no query sees before a later step overwrites them.
+
+    Returns ``(state, first token [B])`` (meaningful only for rows that ended)."""
+    b, c = tokens.shape
     rows = jnp.arange(b)
-    zeros = jnp.zeros((b,), jnp.int32)
+    start = jnp.zeros((b,), jnp.int32) if start is None else start
+    pos = start[:, None] + jnp.arange(c)[None, :]
     h, feats, tcache = target(
-        tokens, jnp.broadcast_to(jnp.arange(p), (b, p)), state.target_cache,
-        jnp.broadcast_to(jnp.arange(p), (b, p)), prefix_causal_mask(zeros, p, cache_len(state.target_cache)),
+        tokens, pos, state.target_cache, pos, prefix_causal_mask(start, c, cache_len(state.target_cache)),
         return_features=draft is not None, plan=plan,
     )
-    first = sample_tokens(target.logits(h[rows, lengths - 1]), samp, lengths, greedy_only=greedy_only)
-    state = dataclasses.replace(state, target_cache=tcache, seq_lens=lengths, root=first)
+    ends = lengths <= start + c  # the prompt's last position is in this chunk
+    last = jnp.clip(lengths - 1 - start, 0, c - 1)  # its index in the chunk (where it ends)
+    first = sample_tokens(target.logits(h[rows, last]), samp, lengths, greedy_only=greedy_only)
+    seq = jnp.where(ends, lengths, start + c)
+    state = dataclasses.replace(state, target_cache=tcache, seq_lens=seq, root=jnp.where(ends, first, 0))
     if draft is None:
         return state, first
-    # Draft pairs f_p with x_{p+1}: shift the prompt left and put the new token at len-1.
-    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-    shifted = shifted.at[rows, lengths - 1].set(first)
+    # Draft pairs f_p with x_{p+1}: the chunk shifted left, then the next chunk's first
+    # token, and the new token at the prompt's last position.
+    after = jnp.zeros((b,), tokens.dtype) if next_tokens is None else next_tokens.astype(tokens.dtype)
+    shifted = jnp.concatenate([tokens[:, 1:], after[:, None]], axis=1)
+    shifted = jnp.where(ends[:, None] & (jnp.arange(c)[None, :] == last[:, None]), first[:, None].astype(tokens.dtype), shifted)
     if state.deferred:  # the draft runs over the prompt at the first speculative step, if any
-        ph, pt = _store_pending(state, draft.fuse(feats), shifted, zeros)
-        return dataclasses.replace(state, draft_len=zeros, pending_hidden=ph, pending_tokens=pt), first
-    g, dcache = _draft_extend(draft, state.draft_cache, shifted, feats, zeros, lengths - 1, plan)
+        ph, pt = _store_pending(state, draft.fuse(feats), shifted, start)
+        return dataclasses.replace(state, draft_len=jnp.zeros_like(start), pending_hidden=ph, pending_tokens=pt), first
+    g, dcache = _draft_extend(draft, state.draft_cache, shifted, feats, start, last, plan)
     return dataclasses.replace(state, draft_cache=dcache, draft_hidden=g), first
 
 
