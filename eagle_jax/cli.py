@@ -250,15 +250,30 @@ def _draft_dir(args) -> Path | None:
     return draft_dir
 
 
-def cmd_serve(args) -> int:
+def serve_engine(args):
+    """The engine ``serve`` runs for its parsed flags (also the offline reference the
+    server's tests compare against: the same config, the same graphs)."""
     from eagle_jax.checkpoint.tokenizer import Tokenizer
     from eagle_jax.models.registry import read_target_config
     from eagle_jax.serving.engine import Engine
-    from eagle_jax.server.app import serve
 
     model_dir = args.model or default_model_dir()
     if not model_dir.is_dir():
         raise InputError(f"model directory {model_dir} not found (run `make model`, or pass --model DIR)")
+    draft_dir = _draft_dir(args)
+    max_seq_len = args.max_seq_len or read_target_config(model_dir).max_position_embeddings
+    # Any prompt that leaves room for a token may arrive: prompt buckets up to max_seq_len;
+    # requests choose their own temperature, so the sampling steps are compiled too.
+    config = engine_config(args, draft=draft_dir is not None, batch=args.batch_size, max_seq_len=max_seq_len,
+                           longest=max_seq_len, sampled=True)
+    enable_compilation_cache()
+    tok = Tokenizer.from_dir(model_dir)
+    return Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
+
+
+def cmd_serve(args) -> int:
+    from eagle_jax.server.app import serve
+
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
         raise InputError("serve runs in one process (its mesh may still span this host's devices): "
                          "--coordinator, --num-processes and --process-id are for generate")
@@ -268,17 +283,10 @@ def cmd_serve(args) -> int:
         raise InputError(f"--max-queue {args.max_queue} must be >= 0")
     if not args.shutdown_timeout > 0:
         raise InputError(f"--shutdown-timeout {args.shutdown_timeout} must be > 0")
-    draft_dir = _draft_dir(args)
-    max_seq_len = args.max_seq_len or read_target_config(model_dir).max_position_embeddings
-    # Any prompt that leaves room for a token may arrive: prompt buckets up to max_seq_len;
-    # requests choose their own temperature, so the sampling steps are compiled too.
-    config = engine_config(args, draft=draft_dir is not None, batch=args.batch_size, max_seq_len=max_seq_len,
-                           longest=max_seq_len, sampled=True)
-    enable_compilation_cache()
-    tok = Tokenizer.from_dir(model_dir)
-    engine = Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
-    return serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or model_dir.name,
-                 max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    engine = serve_engine(args)
+    name = args.served_model_name or (args.model or default_model_dir()).name
+    return serve(engine, host=args.host, port=args.port, model_name=name, max_queue=args.max_queue,
+                 shutdown_timeout=args.shutdown_timeout)
 
 
 def cmd_generate(args) -> int:
