@@ -245,10 +245,16 @@ def serve(engine: Engine, *, host: str, port: int, model_name: str, max_queue: i
 
     server.worker.on_failure = engine_failed
     # uvicorn restores the handler it found and raises the signal again once it has shut
-    # down; this one records it, so the process then returns 0 instead of dying of it.
+    # down; this one records it, so the process then returns 0 instead of dying of it. A
+    # signal before uvicorn takes over (it installs its own in run()) stops it at once.
     stopped_by: list[int] = []
+
+    def on_signal(sig: int, _frame) -> None:
+        stopped_by.append(sig)
+        http.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _: stopped_by.append(s))
+        signal.signal(sig, on_signal)
     server.worker.start()
     log.warning("eagle-jax serve: %s on http://%s:%d/v1 (batch %d, max_seq_len %d, max_queue %d)", model_name, host,
                 port, server.max_batch, server.max_seq_len, max_queue)

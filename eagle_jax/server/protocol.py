@@ -121,16 +121,18 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
     return APIError(400, f"{param}: {err['msg']} (got {err['input']!r})"[:500], param=param)
 
 
+# The tags pydantic puts in an error's location for the branch of a union it tried
+# (prompt: str | list[int]; stop: str | list[str]): not part of the field's path.
+_UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[int]"}
+
+
 def _field_path(loc: tuple) -> str:
-    """("messages", 0, "role") -> "messages[0].role"; union branches (pydantic names the
-    type it tried, e.g. "str" or "list[int]") are not part of the path."""
+    """("messages", 0, "role") -> "messages[0].role"."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "int", "list[str]", "list[int]", "bool") or "[" in str(part) or "function" in str(part):
-            continue
-        else:
+        elif part not in _UNION_TAGS:
             out += ("." if out else "") + str(part)
     return out
 
