@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import shlex
@@ -217,6 +218,7 @@ def main() -> int:
     results = {
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "environment": fingerprint("float32"),
+        "taken": datetime.date.today().isoformat(),
         "prompts": len(records), "max_tokens": args.max_tokens, "batch_size": args.batch_size,
         "max_seq_len": args.max_seq_len, "modes": {},
     }

@@ -27,6 +27,10 @@ the draft phase and the verify phase, each waited for, so ``EngineMetrics`` can 
 the step's time splits between drafting and verification. It is a measuring mode: the
 syncs cost the host/device overlap, so steps are slower than the default fused step.
 
+Threads: the engine belongs to the one thread that calls ``step()``. Other threads reach
+it only through its inbox (``submit``, ``cancel_soon``: thread-safe), which that thread
+applies between steps (``take_submitted``); ``eagle-jax serve``'s engine thread does so.
+
 The policy (``eagle_jax.serving.policy``): ``EngineConfig.spec_policy`` names it
 (``config.default_policy``); while a plain step runs the draft still follows every new
 token (``EngineConfig.draft_sync``), so switching back loses no acceptance.
