@@ -1,4 +1,4 @@
-"""The ``eagle-jax`` command line: ``generate``, ``import-gguf``, ``doctor``, ``draft-data``
+"""The ``eagle-jax`` command line: ``generate``, ``serve``, ``import-gguf``, ``doctor``, ``draft-data``
 and ``train-draft``.
 
 Errors that are the user's to fix (bad input, bad checkpoint) print one ``error:`` line
@@ -49,6 +49,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0, help="per-request seed (request i of a file uses seed + i)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--output", type=Path, default=None, help="write one JSON object per prompt to this JSONL file")
+    add_engine_arguments(g)
+    g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="serve the model over HTTP with the OpenAI API",
+                       description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming or "
+                                   "not; /v1/models, /health, /metrics) on the engine. docs/serving.md says more.")
+    v.add_argument("--model", type=Path, default=None, help=f"model directory (default: checkpoints/{DEFAULT_MODEL_NAME})")
+    add_engine_arguments(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    v.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients pass and /v1/models lists (default: the model directory's name)")
+    v.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for a slot; one more gets a 429 (default 256)")
+    v.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before they are cancelled (default 10)")
+    v.set_defaults(func=cmd_serve)
+
+    i = sub.add_parser("import-gguf", help="convert a GGUF file into a Hugging Face model directory")
+    i.add_argument("gguf", type=Path, help="input .gguf file")
+    i.add_argument("outdir", type=Path, help="output directory (config.json, model.safetensors, tokenizer files)")
+    i.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    i.set_defaults(func=cmd_import_gguf)
+
+    from eagle_jax import doctor
+    from eagle_jax.experiments import ablate, bench, evaluate
+    from eagle_jax.train import commands as train_commands
+
+    doctor.add_parser(sub)
+    evaluate.add_parser(sub)
+    ablate.add_parser(sub)
+    bench.add_parser(sub)
+    train_commands.add_parsers(sub)
+    return p
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (policy, shapes, batch size, max_seq_len, dtype, mesh): the same for
+    every command that builds an engine from them (``generate``, ``serve``)."""
+    g = parser
     g.add_argument("--batch-size", type=_positive_int, default=8, help="requests decoded together (more are queued)")
     g.add_argument("--draft", type=Path, default=None, help=f"EAGLE-3 draft directory (default: checkpoints/{DEFAULT_DRAFT_NAME} when it exists)")
     g.add_argument("--spec-policy", choices=("auto", "threshold", "fixed"), default=None,
@@ -79,26 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode), and print draft/verify ms per step")
     g.add_argument("--max-seq-len", type=_positive_int, default=None, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="default: float32 on CPU, bfloat16 on GPU; bfloat16 on a CPU with the packed kernel streams bfloat16 weights with float32 arithmetic (activations and cache float32)")
-    g.add_argument("--output", type=Path, default=None, help="write one JSON object per prompt to this JSONL file")
     add_mesh_argument(g)
-    g.set_defaults(func=cmd_generate)
-
-    i = sub.add_parser("import-gguf", help="convert a GGUF file into a Hugging Face model directory")
-    i.add_argument("gguf", type=Path, help="input .gguf file")
-    i.add_argument("outdir", type=Path, help="output directory (config.json, model.safetensors, tokenizer files)")
-    i.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    i.set_defaults(func=cmd_import_gguf)
-
-    from eagle_jax import doctor
-    from eagle_jax.experiments import ablate, bench, evaluate
-    from eagle_jax.train import commands as train_commands
-
-    doctor.add_parser(sub)
-    evaluate.add_parser(sub)
-    ablate.add_parser(sub)
-    bench.add_parser(sub)
-    train_commands.add_parsers(sub)
-    return p
 
 
 def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
@@ -181,10 +203,11 @@ def _policy_lines(summary: dict) -> list[str]:
     return lines
 
 
-def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: int):
-    """The ``EngineConfig`` the generate flags mean, for a run with or without a draft.
+def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: int, sampled: bool | None = None):
+    """The ``EngineConfig`` the engine flags mean, for a run with or without a draft.
     ``EngineConfig``'s own defaults are the flags' defaults (tests/cli/test_cli.py checks
-    both give the same policy and shapes), so this only passes on what the flags set."""
+    both give the same policy and shapes), so this only passes on what the flags set.
+    ``sampled``: compile the sampling steps (default: when ``--temperature`` > 0)."""
     from eagle_jax.serving.engine import EngineConfig
     from eagle_jax.serving.policy import parse_shapes
     from eagle_jax.spec.config import default_shape
@@ -202,12 +225,69 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
         spec_shapes=parse_shapes(args.spec_shapes) if policy == "auto" and args.spec_shapes is not None else None,
         spec_calibration_s=args.spec_calibration_s,
         # Sampled steps only when some request samples (halves the graphs otherwise).
-        sampled_steps=args.temperature > 0,
+        sampled_steps=args.temperature > 0 if sampled is None else sampled,
         time_phases=args.time_phases and draft,
         mesh=args.mesh,
         draft_sharding=args.draft_sharding,
         draft_sync=args.draft_sync,
     )
+
+
+def _draft_dir(args) -> Path | None:
+    """The draft the engine flags ask for: --draft, else the default draft when the model
+    is the default one; None with --no-speculation or when there is none (with a note)."""
+    if args.no_speculation:
+        return None
+    draft_dir = args.draft or (default_draft_dir() if args.model is None else None)
+    if draft_dir is not None and not draft_dir.is_dir():
+        if args.draft is not None:
+            raise InputError(f"draft directory {draft_dir} not found")
+        draft_dir = None
+    if draft_dir is None:
+        print("note: no draft (pass --draft DIR); decoding without speculation", file=sys.stderr)
+    else:
+        _spec_policy(args)  # contradicting flags are an error before anything loads
+    return draft_dir
+
+
+def serve_engine(args):
+    """The engine ``serve`` runs for its parsed flags (also the offline reference the
+    server's tests compare against: the same config, the same graphs)."""
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
+    from eagle_jax.models.registry import read_target_config
+    from eagle_jax.serving.engine import Engine
+
+    model_dir = args.model or default_model_dir()
+    if not model_dir.is_dir():
+        raise InputError(f"model directory {model_dir} not found (run `make model`, or pass --model DIR)")
+    draft_dir = _draft_dir(args)
+    max_seq_len = args.max_seq_len or read_target_config(model_dir).max_position_embeddings
+    # Any prompt that leaves room for a token may arrive: prefill chunks up to the largest
+    # default chunk (longer prompts go in several); requests choose their own
+    # temperature, so the sampling steps are compiled too.
+    config = engine_config(args, draft=draft_dir is not None, batch=args.batch_size, max_seq_len=max_seq_len,
+                           longest=max_seq_len, sampled=True)
+    enable_compilation_cache()
+    tok = Tokenizer.from_dir(model_dir)
+    return Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())
+
+
+def cmd_serve(args) -> int:
+    from eagle_jax.server.app import serve
+
+    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
+        raise InputError("serve runs in one process (its mesh may still span this host's devices): "
+                         "--coordinator, --num-processes and --process-id are for generate")
+    if not 0 <= args.port < 65536:
+        raise InputError(f"--port {args.port} is not a port (0..65535)")
+    if args.max_queue < 0:
+        raise InputError(f"--max-queue {args.max_queue} must be >= 0")
+    if not args.shutdown_timeout > 0:
+        raise InputError(f"--shutdown-timeout {args.shutdown_timeout} must be > 0")
+    engine = serve_engine(args)
+    name = args.served_model_name or (args.model or default_model_dir()).name
+    return serve(engine, host=args.host, port=args.port, model_name=name, max_queue=args.max_queue,
+                 shutdown_timeout=args.shutdown_timeout)
 
 
 def cmd_generate(args) -> int:
@@ -236,17 +316,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         stop_strings=tuple(args.stop),
     )
-    draft_dir = None
-    if not args.no_speculation:
-        draft_dir = args.draft or (default_draft_dir() if args.model is None else None)
-        if draft_dir is not None and not draft_dir.is_dir():
-            if args.draft is not None:
-                raise InputError(f"draft directory {draft_dir} not found")
-            draft_dir = None
-        if draft_dir is None:
-            print("note: no draft (pass --draft DIR); decoding without speculation", file=sys.stderr)
-        else:
-            _spec_policy(args)  # contradicting flags are an error before anything loads
+    draft_dir = _draft_dir(args)
     tok = Tokenizer.from_dir(model_dir)
     prompts = []
     for r in records:

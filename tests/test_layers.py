@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("eagle_jax.runtime",),
     ("eagle_jax.checkpoint",),
     ("eagle_jax.serving",),
-    ("eagle_jax.train", "eagle_jax.experiments"),
+    ("eagle_jax.train", "eagle_jax.experiments", "eagle_jax.server"),
     ("eagle_jax.doctor", "eagle_jax.cli"),
 ]
 

@@ -27,6 +27,10 @@ the draft phase and the verify phase, each waited for, so ``EngineMetrics`` can 
 the step's time splits between drafting and verification. It is a measuring mode: the
 syncs cost the host/device overlap, so steps are slower than the default fused step.
 
+Threads: the engine belongs to the one thread that calls ``step()``. Other threads reach
+it only through its inbox (``submit``, ``cancel_soon``: thread-safe), which that thread
+applies between steps (``take_submitted``); ``eagle-jax serve``'s engine thread does so.
+
 The policy (``eagle_jax.serving.policy``): ``EngineConfig.spec_policy`` names it
 (``config.default_policy``); while a plain step runs the draft still follows every new
 token (``EngineConfig.draft_sync``), so switching back loses no acceptance.
@@ -38,6 +42,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import queue
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -123,6 +128,9 @@ class Engine:
         self._pending = None  # the launched step whose results are read next
         self._last_shape: SpeculativeConfig | None = None
         self._steps_run = 0
+        # What other threads asked for (``submit``, ``cancel_soon``), in order; the thread
+        # that steps the engine applies it in ``take_submitted``.
+        self._inbox: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
 
     # -- requests
 
@@ -183,6 +191,58 @@ class Engine:
             req.cancelled = True
             req.progress._finish("cancelled")
             req.metrics.finished = time.perf_counter()
+
+    def result(self, request_id) -> Completion | None:
+        """The request's ``Completion`` as soon as it is done (its row is freed at the next
+        step, and ``pop_finished`` returns it then too), or None while it runs."""
+        req = self.scheduler.get(request_id)
+        return req.completion(self.tokenizer) if req.done else None
+
+    # -- other threads: the one thread that calls step() owns the engine; others only queue
+
+    def submit(self, prompt, params: SamplingParams, *, request_id, on_added: Callable[[Any, InputError | None], None],
+               on_text: Callable[[Any, str], None] | None = None) -> None:
+        """Thread-safe ``add_request``: the engine's thread adds the request at its next
+        ``take_submitted()``, then calls ``on_added(request_id, error)`` there, with the
+        ``InputError`` that refused it or None. ``on_text`` also runs on that thread."""
+        if request_id is None:
+            raise InputError("submit() needs a request_id: the caller names the request it will cancel or read")
+        self._inbox.put(_Submission(request_id, prompt, params, on_text, on_added))
+
+    def cancel_soon(self, request_id) -> None:
+        """Thread-safe ``cancel``, applied at the engine thread's next ``take_submitted()``
+        (after any submission of the same id queued before it). A request that has already
+        been popped is left alone: it finished before the cancel arrived."""
+        self._inbox.put(_Submission(request_id, cancel=True))
+
+    def submissions_waiting(self) -> int:
+        """Submissions and cancels not yet taken (approximate while other threads queue)."""
+        return self._inbox.qsize()
+
+    def take_submitted(self, timeout: float = 0.0) -> int:
+        """On the engine's thread: apply what other threads submitted, waiting up to
+        ``timeout`` seconds for the first item when there is none; returns how many."""
+        n = 0
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return 0  # nothing was submitted in time
+        while True:
+            n += 1
+            if item.cancel:
+                if item.request_id in self.scheduler.requests:
+                    self.cancel(item.request_id)
+            else:
+                try:
+                    self.add_request(item.prompt, item.params, request_id=item.request_id, on_text=item.on_text)
+                except InputError as e:  # the submitter's to report (e.g. as an HTTP 400)
+                    item.on_added(item.request_id, e)
+                else:
+                    item.on_added(item.request_id, None)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return n
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
@@ -342,6 +402,7 @@ class Engine:
                 m.accepted_at_depth[: n - 1] += 1
             else:
                 req.metrics.plain_steps += 1
+            req.metrics.steps_by_shape[shape_name(r.shape)] += 1
             for tok in r.tokens[row, :n]:
                 req.progress.push(int(tok))
                 m.tokens += 1
@@ -355,6 +416,18 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.description})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submission:
+    """One item of the engine's inbox: a request to add, or (``cancel``) one to cancel."""
+
+    request_id: Any
+    prompt: Any = None
+    params: SamplingParams | None = None
+    on_text: Callable[[Any, str], None] | None = None
+    on_added: Callable[[Any, InputError | None], None] | None = None
+    cancel: bool = False
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ the last (so it includes queueing and prefill).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -113,6 +114,8 @@ class RequestMetrics:
     accept_lengths: list[int] = dataclasses.field(default_factory=list)
     spec_steps: int = 0
     plain_steps: int = 0
+    # shape name ("plain", "chain S=3", ...) -> the steps this request took part in.
+    steps_by_shape: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     arrival: float = 0.0
     admitted: float | None = None
     first_token: float | None = None

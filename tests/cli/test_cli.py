@@ -18,7 +18,7 @@ def run(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "eagle_jax.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["import-gguf", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["serve", "--help"], ["import-gguf", "--help"]])
 def test_help(args):
     r = run(*args)
     assert r.returncode == 0
