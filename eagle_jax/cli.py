@@ -102,6 +102,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "chains S=1..5 and trees S=2 k=4 T=6, S=3 k=4 T=8, S=4 k=4 T=12); fewer compile faster")
     g.add_argument("--spec-calibration-s", type=float, default=20.0, metavar="SECONDS",
                    help="auto's start-up timing budget (default 20)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="time auto's steps again although this machine's calibration cache holds them (and replace them)")
     g.add_argument("--draft-sync", choices=("auto", "eager", "deferred"), default="auto",
                    help="how the draft follows plain steps and prefill: eager (runs the draft on every one), deferred "
                         "(stores its inputs; the next speculative step runs the draft over them), auto (default: "
@@ -224,6 +226,7 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
         spec_disable_batch_threshold=args.spec_disable_batch_threshold if policy == "threshold" else None,
         spec_shapes=parse_shapes(args.spec_shapes) if policy == "auto" and args.spec_shapes is not None else None,
         spec_calibration_s=args.spec_calibration_s,
+        recalibrate=args.recalibrate,
         # Sampled steps only when some request samples (halves the graphs otherwise).
         sampled_steps=args.temperature > 0 if sampled is None else sampled,
         time_phases=args.time_phases and draft,

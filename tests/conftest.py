@@ -73,6 +73,14 @@ def smollm2_hf_tokenizer(smollm2_gguf):
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
+@pytest.fixture(autouse=True)
+def _calibration_cache_per_test(tmp_path_factory, monkeypatch):
+    """Each test its own calibration cache (serving.calibration): an engine never reads
+    timings an earlier test (or an earlier run on this machine) measured, and a test that
+    fakes the timings gets its fakes."""
+    monkeypatch.setenv("EAGLE_JAX_CALIBRATION_DIR", str(tmp_path_factory.mktemp("calibration")))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_graphs():
     """Drop each test module's compiled executables when it ends: one process runs the

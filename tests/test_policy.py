@@ -14,7 +14,7 @@ from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.serving.policy import AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig, parse_shape
-from hf_factories import make_hf_model
+from hf_factories import make_hf_model, write_word_tokenizer
 
 CHAINS = tuple(SpeculativeConfig(num_steps=s) for s in range(1, 6))
 TREE = parse_shape("tree S=3 k=4 T=8")
@@ -357,3 +357,67 @@ def test_calibration_noise_cannot_make_more_work_cheaper():
     p.calibrate(lambda b, s: noisy[s], buckets=[1])
     got = {s: p.step_seconds(1, s) for s in (None, CHAINS[0], CHAINS[1], CHAINS[2], TREE)}
     assert got == {None: 0.056, CHAINS[0]: 0.056, CHAINS[1]: 0.056, CHAINS[2]: 0.070, TREE: 0.056}
+
+
+def test_calibration_is_cached_per_machine_models_and_configuration(tmp_path, monkeypatch, caplog):
+    """A second engine of the same configuration reads auto's timings from the cache
+    (no step is timed: counted through StepTable.time_step) and says so; a changed shape
+    set, --recalibrate, a changed model file or a corrupt record measures again, and an
+    engine of models given loaded does not cache at all."""
+    import logging
+
+    from eagle_jax.checkpoint.draft_io import save_draft
+    from eagle_jax.runtime.step_table import StepTable
+    from eagle_jax.serving.calibration import cache_dir
+
+    monkeypatch.setenv("EAGLE_JAX_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    tdir, ddir = tmp_path / "target", tmp_path / "draft"
+    make_hf_model("llama3", seed=5).save_pretrained(tdir, safe_serialization=True)
+    write_word_tokenizer(tdir, 211)
+    save_draft(random_draft(load_model(tdir).config, seed=1, draft_vocab_size=128), ddir)
+    timed = []
+    real = StepTable.time_step
+    monkeypatch.setattr(StepTable, "time_step", lambda self, *a, **k: timed.append(a) or real(self, *a, **k))
+    base = dict(max_batch=2, max_seq_len=64, batch_buckets=(2,), prompt_buckets=(16,), spec_policy="auto",
+                spec_shapes=(CHAINS[0],), spec_calibration_s=1.0, sampled_steps=False)
+
+    def build(**kw):
+        timed.clear()
+        with caplog.at_level(logging.INFO, logger="eagle_jax.serving.engine"):
+            caplog.clear()
+            eng = Engine(str(tdir), str(ddir), EngineConfig(**{**base, **kw}), progress=False)
+        [line] = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+        return eng, len(timed), line
+
+    first, n, line = build()
+    assert n > 0 and "kept in the calibration cache" in line
+    assert len(list(cache_dir().glob("*.json"))) == 1
+    second, n, line = build()
+    assert n == 0 and "read from the cache" in line
+    assert second.policy.calibration.seconds == first.policy.calibration.seconds
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in second.generate(prompts, sp)] == [c.token_ids for c in first.generate(prompts, sp)]
+    del first, second
+    _, n, line = build(spec_shapes=(CHAINS[0], CHAINS[1]))  # another shape set: another key
+    assert n > 0 and "kept in the calibration cache" in line
+    _, n, line = build(recalibrate=True)
+    assert n > 0 and "kept in the calibration cache" in line
+    [record] = [p for p in cache_dir().glob("*.json") if "chain S=2" not in p.read_text()]
+    record.write_text("{not json")
+    _, n, line = build()
+    assert n > 0 and any("unusable" in r.getMessage() for r in caplog.records)
+    _, n, _ = build()
+    assert n == 0  # rewritten by the run before
+    (tdir / "config.json").touch()  # a changed model file (its modification time): another key
+    _, n, _ = build()
+    assert n > 0
+    timed.clear()
+    Engine(load_model(tdir), load_model_draft(ddir, tdir), EngineConfig(**base), progress=False)
+    assert len(timed) > 0  # loaded models: no identity to key on, measured every time
+
+
+def load_model_draft(ddir, tdir):
+    from eagle_jax.checkpoint.draft_io import load_draft
+
+    return load_draft(ddir, target=load_model(tdir))

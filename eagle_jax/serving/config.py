@@ -80,6 +80,10 @@ class EngineConfig:
         from several queries over the context, so timed on an empty state it looks
         cheaper against plain than it runs (tree S=2 k=4 T=6 on SmolLM2: 45 ms timed
         empty, 79 ms in the loop on MT-bench prompts, chain S=1 38 and 42).
+      calibration_cache: keep the "auto" policy's start-up timings per machine, models
+        and compiled configuration (``serving.calibration``), and read them back on the
+        next start-up instead of timing again (models given as directories only).
+      recalibrate: time again even where the cache holds the timings (and replace them).
       detect_nan: check every step's logits; a non-finite row raises ``NonFiniteError``.
       long_prompt: "error" (reject prompts that leave no room) or "truncate" (keep the
         prompt's last tokens, and say so in the completion).
@@ -132,6 +136,8 @@ class EngineConfig:
     spec_calibration_s: float = 20.0
     spec_calibration_context: int | None = None
     detect_nan: bool = False
+    calibration_cache: bool = True
+    recalibrate: bool = False
     long_prompt: str = "error"
     kernel_impl: str = "auto"
     time_phases: bool = False
@@ -198,6 +204,8 @@ class EngineConfig:
         optional(positive_int, "cache_align", self.cache_align)
         flag("sampled_steps", self.sampled_steps)
         flag("time_phases", self.time_phases)
+        flag("calibration_cache", self.calibration_cache)
+        flag("recalibrate", self.recalibrate)
         if self.time_phases and policy == "plain":
             raise ConfigError("time_phases is set but spec_policy='plain' (no draft or verify phase to time)")
         object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))

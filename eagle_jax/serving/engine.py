@@ -58,6 +58,7 @@ from eagle_jax.models.target import TargetModel
 from eagle_jax.runtime.plan import model_dtype, resolve_plan
 from eagle_jax.runtime.sharding import make_mesh, spans_processes
 from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.serving.calibration import CalibrationCache
 from eagle_jax.serving.config import EngineConfig, default_policy, resolve_draft_sync
 from eagle_jax.serving.executor import Executor, StepResult
 from eagle_jax.serving.metrics import EngineMetrics, compile_count, shape_name
@@ -460,7 +461,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
                           "verify phase to time")
     if shapes and draft is None:
         raise ConfigError(f"policy {type(policy).__name__} speculates ({[s.shape for s in shapes]}) but no draft was given")
-    target_path = target
+    target_path, draft_path = target, draft
     mesh = make_mesh(config.mesh)  # before loading: too few devices fails fast
     if spans_processes(mesh) and policy.uses_timings:
         # Each process would time its own steps and could pick another graph than the
@@ -503,9 +504,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
         weight_dtype=config.dtype,
     )
     report = table.build(progress)
-    ctx = config.spec_calibration_context
-    calibration = policy.calibrate(functools.partial(table.time_step, context=ctx), config.batch_buckets)
-    calibration = f"{calibration} (each row at context {ctx})" if calibration else None
+    calibration = _calibrate(policy, table, config, target_path, draft_path)
     features = f"; draft features {_feature_layers(target)}" if table.draft is not None else ""
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
@@ -516,6 +515,35 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
     )
     log.info("eagle-jax engine ready: %s; %s%s", describe, report.describe(), f"; {calibration}" if calibration else "")
     return _Built(config, target, draft, tokenizer, policy, table, describe)
+
+
+def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path, draft_path) -> str | None:
+    """The policy's start-up timings: read from the per-machine cache when an earlier
+    engine of the same key measured them (``serving.calibration``), else measured (and
+    kept). Returns the start-up line's part, or None for a policy that does not time."""
+    ctx = config.spec_calibration_context
+    cache = None
+    if config.calibration_cache:
+        cache = CalibrationCache.for_engine(target=target_path, draft=draft_path, engine={
+            "table": table.describe(), "dtype": config.dtype, "context": ctx, "budget_s": config.spec_calibration_s,
+            "buckets": list(config.batch_buckets), "policy": policy.describe(), "class": type(policy).__qualname__,
+            "shapes": [s.shape for s in policy.shapes],
+        })
+    if cache is not None and not config.recalibrate:
+        record = cache.load()
+        line = policy.restore_calibration(record, config.batch_buckets) if record is not None else None
+        if line is not None:
+            return f"{line} (each row at context {ctx}; {cache.path.name}; --recalibrate measures again)"
+        if record is not None:
+            log.warning("calibration cache %s does not fit policy %s: measuring again", cache.path, policy.describe())
+    line = policy.calibrate(functools.partial(table.time_step, context=ctx), config.batch_buckets)
+    if line is None:
+        return None
+    record = policy.calibration_record()
+    if cache is not None and record is not None:
+        cache.save(record)
+        line += f"; kept in the calibration cache ({cache.path.name})"
+    return f"{line} (each row at context {ctx})"
 
 
 def _feature_layers(target) -> str:

@@ -65,6 +65,18 @@ class SpeculationPolicy:
         and returns its seconds. Returns a line for the start-up log, or None."""
         return None
 
+    def calibration_record(self) -> dict | None:
+        """What ``calibrate`` measured, as JSON-able data, for the engine's per-machine
+        calibration cache (``serving.calibration``); None: nothing to keep (the default:
+        a policy that does not calibrate)."""
+        return None
+
+    def restore_calibration(self, record: dict, buckets: Sequence[int]) -> str | None:
+        """Take a ``calibration_record()`` of an earlier engine instead of timing again.
+        Returns the start-up line, or None if the record does not fit this policy and
+        ``buckets`` (the engine then calibrates)."""
+        return None
+
     def predicted_tokens_per_second(self, bucket: int, shape: SpeculativeConfig | None) -> float | None:
         """What the policy expects ``shape`` to deliver in a full ``bucket`` (the engine
         reports it beside the measured figure), or None when it does not predict."""
@@ -424,6 +436,29 @@ class AutoPolicy(SpeculationPolicy):
                 + ", ".join(f"{b}: {n}" for b, n in per_bucket.items()) + f"; budget {self.calibration_budget_s:g} s); "
                 f"predicted best: "
                 + ", ".join(f"{b}: {_name(self.best(b))}" for b in buckets))
+
+    def calibration_record(self) -> dict | None:
+        if self.calibration is None:
+            return None
+        c, names = self.calibration, [_name(o) for o in self.options()]
+        buckets = sorted({b for b, _ in c.seconds})
+        return {"options": names, "buckets": buckets, "rounds": c.rounds, "wall_s": c.wall_s, "budget_s": c.budget_s,
+                "seconds": [[c.seconds[(b, o)] for o in self.options()] for b in buckets]}
+
+    def restore_calibration(self, record: dict, buckets: Sequence[int]) -> str | None:
+        try:
+            names, got, seconds = record["options"], record["buckets"], record["seconds"]
+            if names != [_name(o) for o in self.options()] or got != sorted(buckets):
+                return None
+            table = {(b, o): float(s) for b, row in zip(got, seconds, strict=True)
+                     for o, s in zip(self.options(), row, strict=True)}
+            if not all(s > 0 for s in table.values()):
+                return None
+            self.calibration = Calibration(table, int(record["rounds"]), float(record["wall_s"]), float(record["budget_s"]))
+        except (KeyError, TypeError, ValueError):  # a record of another layout: measure instead
+            return None
+        return (f"calibration of {len(table)} steps read from the cache (measured in {self.calibration.wall_s:.1f} s, "
+                f"{self.calibration.rounds} rounds); predicted best: " + ", ".join(f"{b}: {_name(self.best(b))}" for b in got))
 
     # -- the engine's calls
 
