@@ -57,7 +57,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu_model(), "cpu_flags": hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:16],
         "cores": os.cpu_count(), "platform": platform.machine(), "python": platform.python_version(),
-        "jax": jax.__version__, "backend": jax.default_backend(),
+        "jax": jax.__version__, "backend": jax.devices()[0].platform,
         "devices": [d.device_kind for d in jax.devices()],
     }
 
