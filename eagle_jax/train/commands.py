@@ -147,12 +147,36 @@ def add_parsers(sub) -> None:
     t.add_argument("--warmup-steps", type=int, default=20)
     t.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--init-draft", type=Path, default=None,
-                   help="continue training this draft (its vocabulary is kept; --draft-vocab is ignored)")
+    t.add_argument("--init-draft", "--init-from", dest="init_draft", type=Path, default=None, metavar="DIR",
+                   help="continue training this draft (its vocabulary is kept and --draft-vocab ignored, unless "
+                        "--new-vocab); the model card then counts its tokens, steps and runs before this one")
+    t.add_argument("--new-vocab", action="store_true",
+                   help="with --init-draft: choose the draft vocabulary (--draft-vocab ids) from this data; the "
+                        "draft's head keeps its columns for the ids both vocabularies share")
+    t.add_argument("--time-budget", type=_duration, default=None, metavar="TIME",
+                   help="end training (steps, evaluations, checkpoints) within TIME: 90m, 2h, 600s or seconds. The "
+                        "planned steps follow the measured step time, so the learning rate decays where the "
+                        "budget ends; --epochs stays an upper bound")
     t.add_argument("--save-epochs", action="store_true", help="also write the draft after every epoch to OUT/epoch-N")
     t.add_argument("--save-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="dtype of the written tensors (default float32; 16-bit halves the file)")
     t.set_defaults(func=cmd_train_draft)
+
+
+def _duration(text: str) -> float:
+    """Seconds from '90m', '2h', '600s', '1.5h' or a plain number of seconds."""
+    import argparse
+
+    t = text.strip().lower()
+    scale = {"s": 1, "m": 60, "h": 3600}.get(t[-1:], None)
+    num = t[:-1] if scale else t
+    try:
+        v = float(num) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90m, 2h, 600s)") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive duration")
+    return v
 
 
 def _model_dir(args) -> Path:
@@ -674,9 +698,10 @@ def _write_manifest(out: Path, manifest: dict) -> None:
 
 # The train-draft settings a run records in OUT/run.json, so --resume repeats them.
 _RUN_FIELDS = ("model", "data", "draft_vocab", "ttt_length", "epochs", "lr", "warmup_steps", "batch_size", "seed",
-               "init_draft", "save_epochs", "save_dtype", "checkpoint_every", "log_every", "eval_every")
+               "init_draft", "save_epochs", "save_dtype", "checkpoint_every", "log_every", "eval_every",
+               "new_vocab", "time_budget")
 # Fields added after run.json existed, with the value an older run had in effect.
-_RUN_FIELD_DEFAULTS = {"eval_every": 0}
+_RUN_FIELD_DEFAULTS = {"eval_every": 0, "new_vocab": False, "time_budget": None}
 
 
 def _resume_args(args):
@@ -700,6 +725,32 @@ def _resume_args(args):
     return args
 
 
+def _cumulative(init_dir: Path | None, this_run: dict) -> dict:
+    """Training a draft has seen in all, across the runs it continues (``--init-draft``):
+    this run's steps, response tokens and seconds added to what the init draft's
+    training.json counted (its ``cumulative``, or for a draft that predates it, its own
+    run: steps and seconds from its final evaluation, tokens as its epochs over its data)."""
+    runs = 1
+    total = dict(this_run)
+    if init_dir is not None and (init_dir / "training.json").is_file():
+        from eagle_jax.train.data import read_json_object
+
+        before = read_json_object(init_dir / "training.json", "a draft's training record")
+        prev = before.get("cumulative")
+        if prev is None:  # a single run recorded before runs were added up
+            fe = before.get("final_eval") or {}
+            manifest = before.get("data_manifest") or {}
+            per_epoch = sum(int(sp.get("response_tokens", 0)) for name, sp in manifest.get("splits", {}).items() if name == "train")
+            prev = {
+                "runs": 1, "steps": int(fe.get("step", 0)), "train_seconds": float(before.get("train_seconds", 0.0)),
+                "response_tokens_seen": int(before.get("train_response_tokens", per_epoch) * float(fe.get("epoch", 0.0))),
+            }
+        runs += int(prev.get("runs", 1))
+        for k in total:
+            total[k] += prev.get(k, 0)
+    return {"runs": runs, **total}
+
+
 def cmd_train_draft(args) -> int:
     from eagle_jax.checkpoint.draft_io import load_draft, save_draft
     from eagle_jax.checkpoint.hf import load_model
@@ -714,6 +765,8 @@ def cmd_train_draft(args) -> int:
         args = _resume_args(args)
     elif args.data is None or args.out is None:
         raise InputError("train-draft needs --data and --out (or --resume DIR to continue a run)")
+    if args.new_vocab and args.init_draft is None:
+        raise InputError("--new-vocab needs --init-draft DIR (a fresh draft always chooses its vocabulary)")
     if args.checkpoint_every < 0:
         raise InputError(f"--checkpoint-every {args.checkpoint_every} must be >= 0")
     if args.eval_every < 0:
@@ -791,7 +844,7 @@ def cmd_train_draft(args) -> int:
         draft, history = train_draft(
             target, data, cfg, eval_data=eval_data, on_log=on_log, init=init, on_epoch=on_epoch,
             checkpoint_dir=ckpt_dir, checkpoint_every=args.checkpoint_every, resume=resuming, log_every=args.log_every,
-            eval_every=args.eval_every,
+            eval_every=args.eval_every, time_budget_s=args.time_budget, new_vocab=args.new_vocab,
         )
     except TrainingInterrupted as e:
         print(f"interrupted: training state of step {e.step} saved; continue with `eagle-jax train-draft --resume {args.out}`",
@@ -814,7 +867,15 @@ def cmd_train_draft(args) -> int:
         "train_response_tokens": epoch_tokens,
         # Across resumptions: the training clock the history carries, else this process's.
         "train_seconds": max([h.get("elapsed_s", 0.0) for h in history] + [time.perf_counter() - t0]),
+        "time_budget_s": args.time_budget,
     }
+    trains = [h for h in history if h["event"] == "train"]
+    this_run = {
+        "steps": max([h["step"] for h in trains], default=0),
+        "response_tokens_seen": max([h.get("response_tokens_seen", 0) for h in history], default=0),
+        "train_seconds": summary["train_seconds"],
+    }
+    summary["cumulative"] = _cumulative(args.init_draft, this_run)
     (args.out / "training.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     if save_learning_curve(history, args.out / "learning_curve.png", title=f"{args.out.name}: held-out learning curve",
                            epoch_tokens=epoch_tokens):

@@ -115,6 +115,38 @@ def vocab_coverage(data: FeatureSet, ids: np.ndarray, vocab_size: int) -> float:
     return hits / max(total, 1)
 
 
+def revocab_draft(init: Eagle3Draft, target: LlamaModel, ids: np.ndarray) -> Eagle3Draft:
+    """A float32 copy of ``init`` over the draft vocabulary ``ids``: every parameter but
+    the head is copied; head column j is ``init``'s column of target id ``ids[j]`` when
+    ``init`` has that id, else the target's head column (what ``init_draft`` starts a
+    fresh draft from). So a draft trained on other data keeps what it learned while its
+    vocabulary follows the new data."""
+    dcfg = dataclasses.replace(init.config, draft_vocab_size=int(len(ids)))
+    draft = Eagle3Draft(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+    def fresh(x):  # copies: the trainer donates the parameters it starts from
+        return jnp.array(x, dtype=jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, copy=True)
+
+    # The modules that do not depend on the vocabulary: fusion, mid layer, final norm.
+    for name in ("fc", "midlayer", "norm"):
+        nnx.update(getattr(draft, name), jax.tree.map(fresh, nnx.state(getattr(init, name))))
+    draft.embed_tokens[...] = jnp.asarray(target.embed_tokens[...], jnp.float32)
+    old_ids = np.asarray(init.draft_to_target(jnp.arange(init.config.draft_vocab_size)))
+    where = {int(t): j for j, t in enumerate(old_ids)}
+    head = np.asarray(target.lm_head[...], np.float32)[:, ids].copy()
+    old_head = np.asarray(init.lm_head[...], np.float32)
+    for j, t in enumerate(ids):
+        k = where.get(int(t))
+        if k is not None:
+            head[:, j] = old_head[:, k]
+    draft.lm_head[...] = jnp.asarray(head)
+    draft.d2t[...] = jnp.asarray((ids - np.arange(len(ids))).astype(np.int32))
+    t2d = np.zeros(target.config.vocab_size, bool)
+    t2d[ids] = True
+    draft.t2d[...] = jnp.asarray(t2d)
+    return draft
+
+
 def init_draft(target: LlamaModel, ids: np.ndarray, cfg: TrainConfig) -> Eagle3Draft:
     """A fresh draft for ``target`` over the draft vocabulary ``ids``.
 
@@ -327,14 +359,14 @@ class DraftTrainer:
         ids = np.asarray(draft.draft_to_target(jnp.arange(draft.config.draft_vocab_size)))
         self.target_head = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
         self.graph, self.params, self.frozen = nnx.split(draft, TRAINABLE, ...)
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
-            end_value=cfg.learning_rate * cfg.min_learning_rate_ratio,
-        )
-        self.schedule = schedule
+        # The learning rate is computed on the host and passed to each step (AdamW is
+        # scale_by_adam + decayed weights, times -lr), so the planned length of the run can
+        # change while it runs: a time budget re-estimates it from the measured step time.
+        self.total_steps = total_steps
         self.opt = optax.chain(
             optax.clip_by_global_norm(cfg.grad_clip),
-            optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
+            optax.scale_by_adam(b1=0.9, b2=0.95),
+            optax.add_decayed_weights(cfg.weight_decay),
         )
         self.opt_state = self.opt.init(self.params)
         self.step_count = 0
@@ -351,15 +383,28 @@ class DraftTrainer:
         def loss_fn(params, frozen, head, batch, query_rows=None):
             return ttt_loss(nnx.merge(self.graph, params, frozen), head, batch, query_rows=query_rows, **kw)
 
-        def train_step(params, opt_state, frozen, head, batch, query_rows=None):
+        def train_step(params, opt_state, frozen, head, batch, lr, query_rows=None):
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, head, batch, query_rows)
             updates, opt_state = self.opt.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
             aux["grad_norm"] = optax.tree.norm(grads)
             return params, opt_state, loss, aux
 
         self._train_step = jax.jit(train_step, donate_argnums=(0, 1), static_argnames=("query_rows",))
         self._eval = jax.jit(loss_fn, static_argnames=("query_rows",))
+
+    def schedule(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based) of ``total_steps``: linear warm-up from
+        0 over ``warmup_steps``, then cosine decay to ``min_learning_rate_ratio`` of the
+        peak at ``total_steps`` (optax's warmup_cosine_decay_schedule, evaluated here)."""
+        cfg = self.cfg
+        peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_learning_rate_ratio
+        warm = max(cfg.warmup_steps, 1)
+        if step < warm:
+            return peak * step / warm
+        total = max(self.total_steps, cfg.warmup_steps + 1)
+        frac = min(1.0, (step - warm) / max(total - warm, 1))
+        return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
     def query_rows(self, batch: dict[str, np.ndarray]) -> int | None:
         """Query rows for a batch: the anchors its longest response needs (``ttt_loss``),
@@ -376,8 +421,9 @@ class DraftTrainer:
         return nnx.merge(self.graph, self.params, self.frozen)
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        lr = np.float32(self.schedule(self.step_count))
         self.params, self.opt_state, loss, aux = self._train_step(
-            self.params, self.opt_state, self.frozen, self.target_head, batch, query_rows=self.query_rows(batch))
+            self.params, self.opt_state, self.frozen, self.target_head, batch, lr, query_rows=self.query_rows(batch))
         self.step_count += 1
         return {"loss": loss, "step_loss": aux["loss"], "acc": aux["acc"], "grad_norm": aux["grad_norm"]}
 
@@ -497,6 +543,8 @@ def train_draft(
     resume: bool = False,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     eval_every: int = 0,
+    time_budget_s: float | None = None,
+    new_vocab: bool = False,
 ) -> tuple[Eagle3Draft, list[dict[str, Any]]]:
     """Select the draft vocabulary, initialise and train a draft. Returns (draft, history).
 
@@ -518,11 +566,35 @@ def train_draft(
     Every train and eval record carries ``response_tokens_seen``: the response tokens
     (the positions the loss can count) of the batches trained on so far, the x axis of a
     learning curve. A resumed run recounts it from the replayed batch order.
+
+    ``time_budget_s``: the training clock (steps, evaluations, checkpoints; across
+    resumptions) ends within this many seconds. The run's length in steps is then
+    planned from the measured step time (a median of the recent steps, plus the
+    evaluations' share) and re-planned as it goes, so the cosine decay ends where the
+    budget does; ``cfg.epochs`` stays an upper bound. When the time left would not cover
+    another step plus the final evaluation and save, training stops there, evaluates and
+    returns the draft as if that had been the planned end. A resumed run keeps the
+    budget (its clock continues), so its later steps may differ from an uninterrupted
+    run's in their learning rates.
+
+    ``new_vocab`` (with ``init``): choose the draft vocabulary from ``data`` (at
+    ``cfg.draft_vocab_size``) instead of keeping ``init``'s. Everything but the head is
+    carried over; the head's columns for ids in both vocabularies come from ``init``, the
+    others from the target's head (as for a fresh draft).
     """
     non_negative_int("eval_every", eval_every)
+    if time_budget_s is not None and not (is_number(time_budget_s) and math.isfinite(time_budget_s) and time_budget_s > 0):
+        raise ConfigError(f"time_budget_s={time_budget_s!r} must be a finite number > 0")
+    if new_vocab and init is None:
+        raise ConfigError("new_vocab=True needs an init draft (a fresh draft always chooses its vocabulary)")
     if init is None:
         ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
         draft = init_draft(target, ids, cfg)
+    elif new_vocab:
+        if init.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
+        ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
+        draft = revocab_draft(init, target, ids)
     else:
         if init.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
@@ -556,13 +628,23 @@ def train_draft(
     t0 = time.perf_counter()
     elapsed0 = 0.0
     closed = 0  # epochs whose end (snapshot, evaluation) is done
+
+    def clock() -> float:
+        """The training clock: seconds trained, across resumptions."""
+        return elapsed0 + time.perf_counter() - t0
+
     if resume:
         step, trainer.params, trainer.opt_state, meta = ckpt.restore(trainer.params, trainer.opt_state)
-        if meta.get("vocab_sha256") != digest or meta.get("total_steps") != total:
+        # Under a time budget the planned steps are the checkpoint's (re-planned as the run
+        # goes on, against the budget given now: the clock continues); otherwise they
+        # follow from the data and settings and must agree.
+        if meta.get("vocab_sha256") != digest or (meta.get("time_budget_s") is None and meta.get("total_steps") != total):
             raise ConfigError(
                 f"the checkpoint in {ckpt.directory} was made with other data or settings (draft vocabulary "
                 f"{meta.get('vocab_sha256')} vs {digest}, {meta.get('total_steps')} vs {total} total steps)"
             )
+        if time_budget_s is not None or meta.get("time_budget_s") is not None:
+            trainer.total_steps = min(total, int(meta["total_steps"])) if time_budget_s is not None else total
         trainer.step_count = step
         history[:] = list(meta["history"])
         elapsed0 = float(meta.get("elapsed_s", 0.0))
@@ -573,8 +655,8 @@ def train_draft(
 
     def save(epoch: int, closed: int) -> None:
         ckpt.save(trainer.step_count, trainer.params, trainer.opt_state, {
-            "step": trainer.step_count, "epoch": epoch, "epochs_closed": closed, "total_steps": total, "vocab_sha256": digest,
-            "history": history, "elapsed_s": elapsed0 + time.perf_counter() - t0,
+            "step": trainer.step_count, "epoch": epoch, "epochs_closed": closed, "total_steps": trainer.total_steps,
+            "vocab_sha256": digest, "time_budget_s": time_budget_s, "history": history, "elapsed_s": clock(),
         })
 
     # SIGINT / SIGTERM: finish the step in flight, save, and stop.
@@ -598,46 +680,97 @@ def train_draft(
     done_before = trainer.step_count
     seen = 0  # response tokens of the batches trained on
 
+    # Time budget: the recent steps' durations (their median ignores the steps that
+    # compiled a new width), and what the end costs (the last evaluation, a save).
+    recent: list[float] = []
+    end_cost = {"eval": 0.0, "save": 0.0}
+
+    def plan(now: float) -> bool:
+        """Re-plan ``trainer.total_steps`` for the time left; False when no further
+        step fits before the final evaluation and save."""
+        if time_budget_s is None or not recent:
+            return True
+        step_s = float(np.median(recent))
+        if eval_data is not None and eval_every:
+            step_s += end_cost["eval"] / eval_every  # the mid-run evaluations' share
+        left = time_budget_s - now - end_cost["eval"] - end_cost["save"] - 2 * step_s
+        if left < 0:
+            return False
+        trainer.total_steps = max(trainer.step_count + 1, min(total, trainer.step_count + int(left / step_s)))
+        return True
+
     def evaluate() -> None:
+        e0 = time.perf_counter()
         ev = trainer.evaluate(eval_data, round_to=round_to)
+        end_cost["eval"] = time.perf_counter() - e0
         emit({
             "event": "eval", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
             "response_tokens_seen": seen,
             "loss": [round(float(x), 4) for x in ev["loss"]], "acc": [round(float(x), 4) for x in ev["acc"]],
             "expected_accept_length": expected_accept_length(ev["acc"]),
-            "elapsed_s": elapsed0 + time.perf_counter() - t0,
+            "elapsed_s": clock(),
         })
 
+    if time_budget_s is not None:
+        # Until steps are measured the plan is the whole of cfg.epochs.
+        if clock() >= time_budget_s:
+            raise ConfigError(f"the time budget of {time_budget_s:.0f} s is already spent ({clock():.0f} s trained)")
+        if eval_data is not None and not resume:
+            # The starting point of the learning curve, and the measured cost of the final
+            # evaluation the plan keeps time for.
+            evaluate()
+    out_of_time = False
+    compiled: set = set()  # step shapes run so far: a new one compiles, and is not timed
+
+    def go_on() -> bool:
+        """Whether another step runs: re-plans first, so a budget can also lengthen the run."""
+        nonlocal out_of_time
+        if not out_of_time and not plan(clock()):
+            # Out of time: the last step is done; the schedule ends here.
+            trainer.total_steps = trainer.step_count
+            out_of_time = True
+        return trainer.step_count < trainer.total_steps
+
     try:
-        while trainer.step_count < total:
+        while go_on():
             # The epoch's batches come from the one seeded generator, epoch after epoch, so
             # a resumed run replays the order and skips what the checkpoint had done.
             batches = list(_length_batches(lengths, cfg.batch_size, rng, round_to, max_len))
             skip = max(0, done_before - epoch * steps_per_epoch)
             seen += sum(int(response[idx].sum()) for idx, _ in batches[:skip])
             for idx, width in batches[skip:]:
-                if trainer.step_count >= total:
+                if not go_on():
                     break
-                out = trainer.step(_batch_arrays(data, idx, width, cfg.batch_size))
+                batch = _batch_arrays(data, idx, width, cfg.batch_size)
+                shape = (width, trainer.query_rows(batch))
+                s0 = time.perf_counter()
+                out = trainer.step(batch)
+                float(out["loss"])  # wait for the step: its time is what the plan needs
+                if shape in compiled:
+                    recent.append(time.perf_counter() - s0)
+                    del recent[:-50]
+                compiled.add(shape)
                 seen += int(response[idx].sum())
                 if on_step is not None:
                     on_step(trainer.step_count, out)
-                if trainer.step_count % log_every == 0 or trainer.step_count == total:
+                if trainer.step_count % log_every == 0 or trainer.step_count == trainer.total_steps:
                     emit({
                         "event": "train", "step": trainer.step_count, "epoch": trainer.step_count / steps_per_epoch,
                         "response_tokens_seen": seen, "loss": float(out["loss"]), "step_loss": [round(float(x), 4) for x in out["step_loss"]], "acc": [round(float(a), 4) for a in out["acc"]],
                         "grad_norm": float(out["grad_norm"]), "lr": float(trainer.schedule(trainer.step_count)),
-                        "elapsed_s": elapsed0 + time.perf_counter() - t0,
+                        "elapsed_s": clock(),
                     })
                 # Mid-epoch points of the learning curve (an epoch's end is evaluated below).
                 if (eval_data is not None and eval_every and trainer.step_count % eval_every == 0
-                        and trainer.step_count % steps_per_epoch != 0 and trainer.step_count != total):
+                        and trainer.step_count % steps_per_epoch != 0 and trainer.step_count != trainer.total_steps):
                     evaluate()
                 if ckpt is not None and stop:
                     save(epoch, closed)
                     raise TrainingInterrupted(trainer.step_count, str(ckpt.directory))
                 if ckpt is not None and checkpoint_every and trainer.step_count % checkpoint_every == 0:
+                    c0 = time.perf_counter()
                     save(epoch, closed)
+                    end_cost["save"] = time.perf_counter() - c0
             epoch += 1
             if epoch <= closed:  # its end (snapshot, evaluation) was done before the checkpoint
                 continue

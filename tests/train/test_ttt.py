@@ -337,3 +337,123 @@ def test_learning_curve_points_and_bad_log_lines(tmp_path):
     log.write_text("[1, 2]\n")
     with pytest.raises(InputError, match=r":1: not a training record"):
         read_log(log)
+
+
+@pytest.fixture(scope="module")
+def small_sets(target):
+    """(train, held-out) feature sets of the tiny target's own greedy answers."""
+    convs, _ = _conversations(target, 32, seed=5)
+    held, _ = _conversations(target, 8, seed=6)
+    return (extract_features(target, convs, max_len=64, batch_size=16),
+            extract_features(target, held, max_len=64, batch_size=16))
+
+
+def test_time_budget_ends_the_run_in_time_with_a_decayed_rate_and_a_checkpoint(target, small_sets, tmp_path):
+    """Far more epochs than fit: the budget, not the epochs, ends the run; the training
+    clock stays inside it, the learning rate has decayed to its floor by the last step
+    (the plan followed the measured step time), and the final checkpoint holds that step."""
+    import signal
+
+    from eagle_jax.train.ttt import TrainCheckpoints
+
+    data, held = small_sets
+    cfg = TrainConfig(draft_vocab_size=160, ttt_length=2, batch_size=8, epochs=10_000, learning_rate=1e-2,
+                      warmup_steps=2, min_learning_rate_ratio=0.1)
+    budget = 25.0
+    steps_seen = []
+
+    def interrupt_once(step, out):  # a kill mid-run: the resumed run keeps the same budget
+        steps_seen.append(step)
+        if step == 3 and len(steps_seen) == 3:
+            signal.raise_signal(signal.SIGINT)
+
+    from eagle_jax.train.ttt import TrainingInterrupted
+
+    with pytest.raises(TrainingInterrupted):
+        train_draft(target, data, cfg, eval_data=held, log_every=1, checkpoint_dir=tmp_path / "ck",
+                    checkpoint_every=0, time_budget_s=budget, on_step=interrupt_once)
+    draft, history = train_draft(target, data, cfg, eval_data=held, log_every=1, checkpoint_dir=tmp_path / "ck",
+                                 checkpoint_every=0, time_budget_s=budget, resume=True)
+    trains = [h for h in history if h["event"] == "train"]
+    evals = [h for h in history if h["event"] == "eval"]
+    epoch_steps = -(-len(data) // cfg.batch_size)
+    last = trains[-1]
+    assert 4 <= last["step"] < cfg.epochs * epoch_steps
+    assert max(h.get("elapsed_s", 0.0) for h in history) <= budget + 1.0, history[-1]
+    # The step-0 evaluation (the curve's start) and the final one.
+    assert evals[0]["response_tokens_seen"] == 0 and evals[-1]["step"] == last["step"]
+    assert last["lr"] == pytest.approx(cfg.learning_rate * cfg.min_learning_rate_ratio, rel=0.05)
+    # The rate went up, then down: a plan, not a constant.
+    assert max(h["lr"] for h in trains) > 5 * last["lr"]
+    ck = TrainCheckpoints(tmp_path / "ck")
+    try:
+        assert ck.steps()[0] == last["step"]
+    finally:
+        ck.close()
+    with pytest.raises(ConfigError, match="must be a finite number > 0"):
+        train_draft(target, data, cfg, time_budget_s=0)
+
+
+def test_new_vocab_keeps_the_layer_and_the_shared_head_columns(target, small_sets):
+    from eagle_jax.train.ttt import revocab_draft
+
+    data, _ = small_sets
+    old = random_draft(target.config, seed=7, draft_vocab_size=160)
+    ids = select_draft_vocab(data, 96, target.config.vocab_size)
+    new = revocab_draft(old, target, ids)
+    assert new.config.draft_vocab_size == 96
+    np.testing.assert_array_equal(np.asarray(new.fc.kernel[...]), np.asarray(old.fc.kernel[...]))
+    for a, b in zip(jax.tree.leaves(nnx_state(new.midlayer)), jax.tree.leaves(nnx_state(old.midlayer))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(new.draft_to_target(jnp.arange(96))), ids)
+    assert np.asarray(new.t2d[...]).sum() == 96 and np.asarray(new.t2d[...])[ids].all()
+    old_ids = np.asarray(old.draft_to_target(jnp.arange(160))).tolist()
+    head, old_head = np.asarray(new.lm_head[...]), np.asarray(old.lm_head[...])
+    target_head = np.asarray(target.lm_head[...], np.float32)
+    shared = 0
+    for j, t in enumerate(ids.tolist()):
+        if t in old_ids:
+            np.testing.assert_array_equal(head[:, j], old_head[:, old_ids.index(t)])
+            shared += 1
+        else:
+            np.testing.assert_array_equal(head[:, j], target_head[:, t])
+    assert 0 < shared < 96  # both kinds of column were checked
+    # Training from it (the trainer donates its parameters) leaves the init draft whole.
+    cfg = TrainConfig(draft_vocab_size=96, ttt_length=2, batch_size=8, epochs=0.5, warmup_steps=1)
+    trained, _ = train_draft(target, data, cfg, init=old, new_vocab=True)
+    assert trained.config.draft_vocab_size == 96 and np.isfinite(np.asarray(old.lm_head[...])).all()
+    with pytest.raises(ConfigError, match="new_vocab=True needs an init draft"):
+        train_draft(target, data, cfg, new_vocab=True)
+
+
+def nnx_state(module):
+    from flax import nnx
+
+    return nnx.state(module)
+
+
+def test_cumulative_training_adds_up_across_runs(tmp_path):
+    from eagle_jax.train.commands import _cumulative
+
+    run = {"steps": 10, "response_tokens_seen": 1000, "train_seconds": 5.0}
+    assert _cumulative(None, run) == {"runs": 1, **run}
+    # A draft recorded before runs were added up: its own run, from its final evaluation.
+    (tmp_path / "training.json").write_text(json.dumps({
+        "final_eval": {"step": 100, "epoch": 2.0}, "train_seconds": 50.0,
+        "data_manifest": {"splits": {"train": {"response_tokens": 300}, "eval": {"response_tokens": 99}}},
+    }))
+    assert _cumulative(tmp_path, run) == {"runs": 2, "steps": 110, "response_tokens_seen": 1600, "train_seconds": 55.0}
+    (tmp_path / "training.json").write_text(json.dumps({"cumulative": {"runs": 3, "steps": 7, "response_tokens_seen": 9,
+                                                                      "train_seconds": 1.0}}))
+    assert _cumulative(tmp_path, run) == {"runs": 4, "steps": 17, "response_tokens_seen": 1009, "train_seconds": 6.0}
+
+
+def test_time_budget_flag_reads_durations():
+    import argparse
+
+    from eagle_jax.train.commands import _duration
+
+    assert [_duration(t) for t in ("90m", "2h", "600s", "45", "1.5h")] == [5400, 7200, 600, 45, 5400]
+    for bad in ("", "m", "-5m", "0", "soon", "infh"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _duration(bad)
