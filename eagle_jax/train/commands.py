@@ -153,6 +153,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--new-vocab", action="store_true",
                    help="with --init-draft: choose the draft vocabulary (--draft-vocab ids) from this data; the "
                         "draft's head keeps its columns for the ids both vocabularies share")
+    t.add_argument("--finished-shards", action="store_true",
+                   help="train on the finished shards of a `draft-data` run still in progress (or stopped): its "
+                        "first sequences, whose features are written; the held-out split must be complete")
     t.add_argument("--time-budget", type=_duration, default=None, metavar="TIME",
                    help="end training (steps, evaluations, checkpoints) within TIME: 90m, 2h, 600s or seconds. The "
                         "planned steps follow the measured step time, so the learning rate decays where the "
@@ -595,7 +598,9 @@ def cmd_draft_data(args) -> int:
                   file=sys.stderr)
         if out is None:
             return 0
-    for split, sp in splits.items():
+    # The held-out split first: it is small, and with it written a run can train on the
+    # training split's finished shards (train-draft --finished-shards) while it grows.
+    for split, sp in sorted(splits.items(), key=lambda kv: kv[0] != "eval"):
         path = out / files[split]
         if stores:
             answers = answered[split]
@@ -699,9 +704,9 @@ def _write_manifest(out: Path, manifest: dict) -> None:
 # The train-draft settings a run records in OUT/run.json, so --resume repeats them.
 _RUN_FIELDS = ("model", "data", "draft_vocab", "ttt_length", "epochs", "lr", "warmup_steps", "batch_size", "seed",
                "init_draft", "save_epochs", "save_dtype", "checkpoint_every", "log_every", "eval_every",
-               "new_vocab", "time_budget")
+               "new_vocab", "time_budget", "finished_shards")
 # Fields added after run.json existed, with the value an older run had in effect.
-_RUN_FIELD_DEFAULTS = {"eval_every": 0, "new_vocab": False, "time_budget": None}
+_RUN_FIELD_DEFAULTS = {"eval_every": 0, "new_vocab": False, "time_budget": None, "finished_shards": False}
 
 
 def _resume_args(args):
@@ -779,8 +784,9 @@ def cmd_train_draft(args) -> int:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"{manifest_path}: not valid JSON ({e})") from e
-    if manifest.get("status", "complete") != "complete":
-        raise InputError(f"{args.data} is unfinished `draft-data` output: rerun that command to finish it")
+    if manifest.get("status", "complete") != "complete" and not args.finished_shards:
+        raise InputError(f"{args.data} is unfinished `draft-data` output: rerun that command to finish it "
+                         f"(or train on its finished shards: --finished-shards)")
     if manifest.get("model_config_sha256") != _fingerprint(model_dir):
         raise InputError(
             f"{args.data} was made with the target {manifest.get('model')!r} (config sha256 "
@@ -795,8 +801,11 @@ def cmd_train_draft(args) -> int:
     target = load_model(model_dir)
     # Memory-mapped: a batch reads its own rows, so memory does not grow with the data
     # (padded to its longest sequence, a large set is far bigger than RAM).
-    data = FeatureSet.load(args.data / "train", mmap=True)
+    data = FeatureSet.load(args.data / "train", mmap=True, finished_shards=args.finished_shards)
+    # The held-out set is used whole or not at all.
     eval_data = FeatureSet.load(args.data / "eval", mmap=True) if (args.data / "eval").is_dir() else None
+    if args.finished_shards:
+        print(f"training on {len(data)} sequences of {args.data / 'train'} (its finished shards)", file=sys.stderr)
     for name, fs in (("train", data), ("eval", eval_data)):
         if fs is not None and fs.features.shape[-1] != len(target.config.feature_layer_ids) * target.config.hidden_size:
             raise InputError(f"{args.data / name} features have width {fs.features.shape[-1]}, not what {model_dir} yields")

@@ -302,21 +302,32 @@ class FeatureSet:
             np.save(path / f"{name}.npy", getattr(self, name), allow_pickle=False)
 
     @classmethod
-    def load(cls, path: str | Path, *, mmap: bool = True) -> "FeatureSet":
+    def load(cls, path: str | Path, *, mmap: bool = True, finished_shards: bool = False) -> "FeatureSet":
         """Read a saved set (never unpickling); shapes are checked against each other.
-        A set ``write_features`` has not finished is refused (its later rows are zeros)."""
+        A set ``write_features`` has not finished is refused (its later rows are zeros),
+        unless ``finished_shards``: then the rows of its finished shards are the set (the
+        first rows, in the conversations' order; none finished is refused)."""
         path = Path(path)
         missing = [n for n in FEATURE_FILES if not (path / f"{n}.npy").is_file()]
         if missing:
             raise InputError(f"{path} is not a feature set: missing {', '.join(m + '.npy' for m in missing)}")
+        rows = None
         if (path / PROGRESS_FILE).is_file():
             state = _read_progress(path / PROGRESS_FILE)
             if state.get("complete") is not True:
-                raise InputError(
-                    f"{path} is unfinished ({state.get('shards_done')} of {state.get('shards')} shards written): "
-                    f"rerun `eagle-jax draft-data` with the same arguments to finish it"
-                )
+                done = state.get("shards_done")
+                shard_size = (state.get("spec") or {}).get("shard_size")
+                if not finished_shards:
+                    raise InputError(
+                        f"{path} is unfinished ({done} of {state.get('shards')} shards written): "
+                        f"rerun `eagle-jax draft-data` with the same arguments to finish it"
+                    )
+                if not (isinstance(done, int) and isinstance(shard_size, int) and done > 0 and shard_size > 0):
+                    raise InputError(f"{path} has no finished shard yet ({done} of {state.get('shards')})")
+                rows = done * shard_size
         arrs = {n: np.load(path / f"{n}.npy", mmap_mode="r" if mmap else None, allow_pickle=False) for n in FEATURE_FILES}
+        if rows is not None:
+            arrs = {n: a[:rows] for n, a in arrs.items()}
         fs = cls(**arrs)
         fs.check()
         return fs

@@ -638,6 +638,10 @@ def train_draft(
         # Under a time budget the planned steps are the checkpoint's (re-planned as the run
         # goes on, against the budget given now: the clock continues); otherwise they
         # follow from the data and settings and must agree.
+        if meta.get("sequences", len(data)) != len(data):
+            raise ConfigError(f"the checkpoint in {ckpt.directory} trained on {meta['sequences']} sequences, this data has "
+                              f"{len(data)} (a growing set's finished shards change the batch order: start a new run, "
+                              f"--init-from the draft)")
         if meta.get("vocab_sha256") != digest or (meta.get("time_budget_s") is None and meta.get("total_steps") != total):
             raise ConfigError(
                 f"the checkpoint in {ckpt.directory} was made with other data or settings (draft vocabulary "
@@ -656,7 +660,8 @@ def train_draft(
     def save(epoch: int, closed: int) -> None:
         ckpt.save(trainer.step_count, trainer.params, trainer.opt_state, {
             "step": trainer.step_count, "epoch": epoch, "epochs_closed": closed, "total_steps": trainer.total_steps,
-            "vocab_sha256": digest, "time_budget_s": time_budget_s, "history": history, "elapsed_s": clock(),
+            "vocab_sha256": digest, "time_budget_s": time_budget_s, "sequences": len(data), "history": history,
+            "elapsed_s": clock(),
         })
 
     # SIGINT / SIGTERM: finish the step in flight, save, and stop.

@@ -320,6 +320,12 @@ def test_write_features_resumes_at_the_first_unfinished_shard(tiny_dir, tmp_path
         write_features(target, convs, tmp_path / "f", on_progress=dying, **kw)
     with pytest.raises(InputError, match=r"unfinished \(2 of 5 shards"):
         FeatureSet.load(tmp_path / "f")
+    # Its finished shards alone: the first 10 sequences, equal to the finished run's.
+    part = FeatureSet.load(tmp_path / "f", finished_shards=True)
+    assert len(part) == 10
+    for name in data_mod.FEATURE_FILES:
+        np.testing.assert_array_equal(np.asarray(getattr(part, name)), np.asarray(getattr(whole, name))[:10], err_msg=name)
+    del part
     progress.clear()
     fs = write_features(target, convs, tmp_path / "f", on_progress=lambda d, t, n: progress.append(d), **kw)
     assert progress == [15, 20, 22]  # shards 1 and 2 were not computed again
