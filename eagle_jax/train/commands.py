@@ -745,7 +745,7 @@ def _cumulative(init_dir: Path | None, this_run: dict) -> dict:
         if prev is None:  # a single run recorded before runs were added up
             fe = before.get("final_eval") or {}
             manifest = before.get("data_manifest") or {}
-            per_epoch = sum(int(sp.get("response_tokens", 0)) for name, sp in manifest.get("splits", {}).items() if name == "train")
+            per_epoch = int(manifest.get("splits", {}).get("train", {}).get("response_tokens", 0))
             prev = {
                 "runs": 1, "steps": int(fe.get("step", 0)), "train_seconds": float(before.get("train_seconds", 0.0)),
                 "response_tokens_seen": int(before.get("train_response_tokens", per_epoch) * float(fe.get("epoch", 0.0))),

@@ -115,6 +115,22 @@ def vocab_coverage(data: FeatureSet, ids: np.ndarray, vocab_size: int) -> float:
     return hits / max(total, 1)
 
 
+def _f32_copy(x):
+    """A float32 copy of a floating array (other dtypes kept): the trainer donates the
+    parameters it starts from, so a draft it trains must never share an array."""
+    return jnp.array(x, dtype=jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, copy=True)
+
+
+def _set_vocab(draft: Eagle3Draft, ids: np.ndarray, head: np.ndarray, vocab_size: int) -> None:
+    """Give ``draft`` the draft vocabulary ``ids`` (ascending target ids): the head
+    ``[H, len(ids)]`` and the id maps (``d2t`` as offsets, ``t2d`` as membership)."""
+    draft.lm_head[...] = jnp.asarray(head, jnp.float32)
+    draft.d2t[...] = jnp.asarray((ids - np.arange(len(ids))).astype(np.int32))
+    t2d = np.zeros(vocab_size, bool)
+    t2d[ids] = True
+    draft.t2d[...] = jnp.asarray(t2d)
+
+
 def revocab_draft(init: Eagle3Draft, target: LlamaModel, ids: np.ndarray) -> Eagle3Draft:
     """A float32 copy of ``init`` over the draft vocabulary ``ids``: every parameter but
     the head is copied; head column j is ``init``'s column of target id ``ids[j]`` when
@@ -124,13 +140,9 @@ def revocab_draft(init: Eagle3Draft, target: LlamaModel, ids: np.ndarray) -> Eag
     new data."""
     dcfg = dataclasses.replace(init.config, draft_vocab_size=int(len(ids)))
     draft = Eagle3Draft(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-
-    def fresh(x):  # copies: the trainer donates the parameters it starts from
-        return jnp.array(x, dtype=jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, copy=True)
-
     # The modules that do not depend on the vocabulary: fusion, mid layer, final norm.
     for name in ("fc", "midlayer", "norm"):
-        nnx.update(getattr(draft, name), jax.tree.map(fresh, nnx.state(getattr(init, name))))
+        nnx.update(getattr(draft, name), jax.tree.map(_f32_copy, nnx.state(getattr(init, name))))
     draft.embed_tokens[...] = jnp.asarray(target.embed_tokens[...], jnp.float32)
     old_ids = np.asarray(init.draft_to_target(jnp.arange(init.config.draft_vocab_size)))
     where = {int(t): j for j, t in enumerate(old_ids)}
@@ -139,9 +151,9 @@ def revocab_draft(init: Eagle3Draft, target: LlamaModel, ids: np.ndarray) -> Eag
     # Columns of ids new to the draft: the target's own columns lie in the target's hidden
     # space, not the draft's, and a few of them (rare tokens) then win the argmax
     # everywhere (measured: v1 with the new vocabulary agreed with the target on 0.07% of
-    # held-out positions; with this map, 31%, where v1 in its own vocabulary has 34%). So the
-    # map from the target's columns to the draft's, fitted by
-    # least squares over the shared ids, carries the new ones over.
+    # held-out positions; with this map, 31%, where v1 in its own vocabulary has 34%). So
+    # the map from the target's columns to the draft's, fitted by least squares over the
+    # shared ids, carries the new ones over.
     shared = [(j, where[int(t)]) for j, t in enumerate(ids) if int(t) in where]
     head = target_head[:, ids].copy()
     if shared:
@@ -151,11 +163,7 @@ def revocab_draft(init: Eagle3Draft, target: LlamaModel, ids: np.ndarray) -> Eag
             a = np.linalg.lstsq(src.T, dst.T, rcond=None)[0].T  # dst ~ a @ src
             head = (a @ head).astype(np.float32)
         head[:, js] = dst
-    draft.lm_head[...] = jnp.asarray(head)
-    draft.d2t[...] = jnp.asarray((ids - np.arange(len(ids))).astype(np.int32))
-    t2d = np.zeros(target.config.vocab_size, bool)
-    t2d[ids] = True
-    draft.t2d[...] = jnp.asarray(t2d)
+    _set_vocab(draft, ids, head, target.config.vocab_size)
     return draft
 
 
@@ -173,13 +181,9 @@ def init_draft(target: LlamaModel, ids: np.ndarray, cfg: TrainConfig) -> Eagle3D
     dcfg = DraftConfig.for_target(tcfg, **overrides)
     draft = Eagle3Draft(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
     draft.embed_tokens[...] = target.embed_tokens[...].astype(jnp.float32)
-    draft.lm_head[...] = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
     # Copies, never the target's own arrays: the trainer donates the draft's parameters.
-    draft.norm.weight[...] = jnp.array(target.norm.weight[...], dtype=jnp.float32, copy=True)
-    draft.d2t[...] = jnp.asarray((ids - np.arange(len(ids))).astype(np.int32))
-    t2d = np.zeros(tcfg.vocab_size, bool)
-    t2d[ids] = True
-    draft.t2d[...] = jnp.asarray(t2d)
+    draft.norm.weight[...] = _f32_copy(target.norm.weight[...])
+    _set_vocab(draft, ids, np.asarray(target.lm_head[...], np.float32)[:, ids], tcfg.vocab_size)
     return draft
 
 
@@ -592,32 +596,22 @@ def train_draft(
     ``new_vocab`` (with ``init``): choose the draft vocabulary from ``data`` (at
     ``cfg.draft_vocab_size``) instead of keeping ``init``'s. Everything but the head is
     carried over; the head's columns for ids in both vocabularies come from ``init``, the
-    others from the target's head (as for a fresh draft).
+    others from the target's head through a fitted map (``revocab_draft``).
     """
     non_negative_int("eval_every", eval_every)
     if time_budget_s is not None and not (is_number(time_budget_s) and math.isfinite(time_budget_s) and time_budget_s > 0):
         raise ConfigError(f"time_budget_s={time_budget_s!r} must be a finite number > 0")
     if new_vocab and init is None:
         raise ConfigError("new_vocab=True needs an init draft (a fresh draft always chooses its vocabulary)")
-    if init is None:
+    if init is not None and init.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
+    if init is None or new_vocab:
         ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
-        draft = init_draft(target, ids, cfg)
-    elif new_vocab:
-        if init.config.vocab_size != target.config.vocab_size:
-            raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
-        ids = select_draft_vocab(data, cfg.draft_vocab_size, target.config.vocab_size)
-        draft = revocab_draft(init, target, ids)
+        draft = init_draft(target, ids, cfg) if init is None else revocab_draft(init, target, ids)
     else:
-        if init.config.vocab_size != target.config.vocab_size:
-            raise ConfigError(f"init draft vocab_size={init.config.vocab_size} differs from the target's {target.config.vocab_size}")
         ids = np.asarray(init.draft_to_target(jnp.arange(init.config.draft_vocab_size)))
-        # Fresh copies: the trainer donates the trainable parameters it starts from.
         graph, state = nnx.split(init)
-
-        def fresh(x):
-            return jnp.array(x, dtype=jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, copy=True)
-
-        draft = nnx.merge(graph, jax.tree.map(fresh, state))
+        draft = nnx.merge(graph, jax.tree.map(_f32_copy, state))
     coverage = vocab_coverage(data, ids, target.config.vocab_size)
     log.info("draft vocabulary: %d ids cover %.2f%% of the response tokens", len(ids), 100 * coverage)
     lengths = np.asarray(data.lengths)
@@ -659,8 +653,8 @@ def train_draft(
                 f"the checkpoint in {ckpt.directory} was made with other data or settings (draft vocabulary "
                 f"{meta.get('vocab_sha256')} vs {digest}, {meta.get('total_steps')} vs {total} total steps)"
             )
-        if time_budget_s is not None or meta.get("time_budget_s") is not None:
-            trainer.total_steps = min(total, int(meta["total_steps"])) if time_budget_s is not None else total
+        if time_budget_s is not None:
+            trainer.total_steps = min(total, int(meta["total_steps"]))
         trainer.step_count = step
         history[:] = list(meta["history"])
         elapsed0 = float(meta.get("elapsed_s", 0.0))
@@ -759,14 +753,17 @@ def train_draft(
                 if not go_on():
                     break
                 batch = _batch_arrays(data, idx, width, cfg.batch_size)
-                shape = (width, trainer.query_rows(batch))
                 s0 = time.perf_counter()
                 out = trainer.step(batch)
-                float(out["loss"])  # wait for the step: its time is what the plan needs
-                if shape in compiled:
-                    recent.append(time.perf_counter() - s0)
-                    del recent[:-50]
-                compiled.add(shape)
+                if time_budget_s is not None:
+                    # Only a budget waits for each step (its time is what the plan needs);
+                    # otherwise the next batch is read while this one runs.
+                    float(out["loss"])
+                    shape = (width, trainer.query_rows(batch))
+                    if shape in compiled:
+                        recent.append(time.perf_counter() - s0)
+                        del recent[:-50]
+                    compiled.add(shape)
                 seen += int(response[idx].sum())
                 if on_step is not None:
                     on_step(trainer.step_count, out)
