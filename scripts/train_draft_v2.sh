@@ -13,7 +13,10 @@
 #
 #   setsid nohup nice -n 10 scripts/train_draft_v2.sh > results/scratch/draft_v2.log 2>&1 < /dev/null &
 #
-# Environment (defaults in brackets): PYTHON [.venv/bin/python], PROMPTS [6000],
+# A later round learns from prompts the earlier ones did not see: SKIP=6000 PROMPTS=6000
+# takes prompts 6001-12000, with INIT=the released draft and NEW_VOCAB=0.
+#
+# Environment (defaults in brackets): PYTHON [.venv/bin/python], PROMPTS [6000], SKIP [0],
 # DATA [.cache/draft-v2-data], FEATURES_TIME [40m], OUT [.cache/draft-v2/run-<UTC time>],
 # INIT [checkpoints/smollm2-135m-instruct-eagle3], NEW_VOCAB [1], BUDGET [60m],
 # TTT [4], BATCH [8], LR [3e-4], EPOCHS [2] (an upper bound), EVAL_EVERY [100].
@@ -21,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 PROMPTS=${PROMPTS:-6000}
+SKIP=${SKIP:-0}
 DATA=${DATA:-.cache/draft-v2-data}
 FEATURES_TIME=${FEATURES_TIME:-40m}
 OUT=${OUT:-.cache/draft-v2/run-$(date -u +%Y%m%dT%H%M%SZ)}
@@ -33,7 +37,7 @@ LR=${LR:-3e-4}
 EVAL_EVERY=${EVAL_EVERY:-100}
 EPOCHS=${EPOCHS:-2}
 
-echo "== $(date -u +%FT%TZ) features of the first $PROMPTS training prompts into $DATA (at most $FEATURES_TIME)"
+echo "== $(date -u +%FT%TZ) features of $PROMPTS training prompts after the first $SKIP into $DATA (at most $FEATURES_TIME)"
 # SIGTERM at the time limit: the finished shards are kept (progress.json), the one in
 # progress is computed again by the next run.
 rc=0
@@ -42,7 +46,7 @@ timeout -s TERM "$FEATURES_TIME" "$PYTHON" -m eagle_jax.cli draft-data \
   --answers data/draft-answers/smollm2-135m-instruct \
   --prompt-file data/prompts/train-prompts.jsonl.gz \
   --eval-prompt-file data/prompts/heldout-prompts.jsonl --eval-prompts 200 \
-  --train-prompts "$PROMPTS" --max-new-tokens 256 --max-seq-len 1024 \
+  --skip-train-prompts "$SKIP" --train-prompts "$PROMPTS" --max-new-tokens 256 --max-seq-len 1024 \
   --progress-every 60 --out "$DATA" || rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; then
   echo "draft-data failed (exit $rc)"; exit "$rc"

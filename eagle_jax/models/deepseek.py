@@ -619,7 +619,7 @@ class MLAttention(nnx.Module):
         del plan  # MLA attends in XLA under a dense mask on every plan
         cfg = self.cfg
         b, t, _ = x.shape
-        n, nope, rdim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        n, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:

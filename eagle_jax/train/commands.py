@@ -107,6 +107,10 @@ def add_parsers(sub) -> None:
     d.add_argument("--train-prompts", type=_positive_int, default=None, metavar="N",
                    help="answer only the first N usable training prompts (a shuffled prompt file makes them a fair "
                         "sample); a later run into the same --out may raise N to grow the data (default: all)")
+    d.add_argument("--skip-train-prompts", type=int, default=0, metavar="K",
+                   help="leave out the first K usable training prompts (those an earlier draft trained on), so a "
+                        "continued draft (--init-from) learns from new ones; --train-prompts N then takes the N after "
+                        "them (default 0)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
     d.add_argument("--max-seq-len", type=_positive_int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"context of prompt + answer (default {DEFAULT_MAX_SEQ_LEN}); prompts longer than "
@@ -275,6 +279,8 @@ def _prompts(args, tok, budget: int) -> dict[str, _Split]:
             raise InputError("--eval-prompt-file needs --prompt-file")
         if args.train_prompts is not None:
             raise InputError("--train-prompts needs --prompt-file (use --synthetic N for built-in prompts)")
+        if args.skip_train_prompts:
+            raise InputError("--skip-train-prompts needs --prompt-file")
         n, n_eval = args.synthetic or 1024, 64 if args.eval_prompts is None else args.eval_prompts
         splits = {}
         for split, count in (("train", n), ("eval", n_eval)):
@@ -320,11 +326,20 @@ def _prompts(args, tok, budget: int) -> dict[str, _Split]:
         if recs:
             requests, skipped, indexes = _encode_records(recs, path, tok, budget, start)
             splits[split] = _Split(requests, skipped, source, path.name, path, indexes)
-    if args.train_prompts is not None and "train" in splits:
-        # The first N in file order, so N prompts of a shuffled file are a fair sample of
-        # it and a larger N later extends the set instead of replacing it.
-        splits["train"].requests = splits["train"].requests[: args.train_prompts]
-        splits["train"].indexes = splits["train"].indexes[: args.train_prompts]
+    if args.skip_train_prompts < 0:
+        raise InputError(f"--skip-train-prompts {args.skip_train_prompts}: give 0 or more")
+    if "train" in splits and (args.train_prompts is not None or args.skip_train_prompts):
+        # The first N in file order (after the K skipped), so N prompts of a shuffled file
+        # are a fair sample of it and a larger N later extends the set instead of replacing it.
+        tr = splits["train"]
+        lo = args.skip_train_prompts
+        hi = None if args.train_prompts is None else lo + args.train_prompts
+        if lo >= len(tr.requests):
+            raise InputError(f"--skip-train-prompts {lo} leaves none of the {len(tr.requests)} usable training prompts")
+        tr.requests, tr.indexes = tr.requests[lo:hi], tr.indexes[lo:hi]
+        if lo:
+            # Part of the data's identity: a resumed run with another K is refused.
+            tr.source = {**tr.source, "skipped_first": lo}
     return _check_train(splits, str(args.prompt_file))
 
 

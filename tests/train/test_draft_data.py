@@ -264,6 +264,23 @@ def test_growing_train_prompts_keeps_answers_and_equals_a_full_run(tiny_dir, pro
         draft_data("--model", tiny_dir, "--out", tmp_path / "syn", "--synthetic", "4", "--train-prompts", "2", *SETTINGS)
 
 
+def test_skip_train_prompts_takes_the_next_ones(tiny_dir, prompt_files, reference, tmp_path):
+    """--skip-train-prompts K --train-prompts N answers exactly the full run's prompts
+    K..K+N-1 (what a continued draft trains on); the same --out with another K is refused."""
+    out = tmp_path / "out"
+    assert draft_data(*_argv(tiny_dir, prompt_files, out, "--skip-train-prompts", "10", "--train-prompts", "8")) == 0
+    ref = (reference / "conversations.jsonl").read_text().splitlines()
+    assert (out / "conversations.jsonl").read_text().splitlines() == ref[10:18]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["prompts"]["train"]["skipped_first"] == 10
+    with pytest.raises(InputError, match="skipped_first"):
+        draft_data(*_argv(tiny_dir, prompt_files, out, "--skip-train-prompts", "9", "--train-prompts", "8"))
+    with pytest.raises(InputError, match="--skip-train-prompts 42 leaves none of the 42"):
+        draft_data(*_argv(tiny_dir, prompt_files, tmp_path / "o2", "--skip-train-prompts", "42"))
+    with pytest.raises(InputError, match="--skip-train-prompts needs --prompt-file"):
+        draft_data("--model", tiny_dir, "--out", tmp_path / "syn", "--synthetic", "4", "--skip-train-prompts", "2", *SETTINGS)
+
+
 def test_bad_lines_are_named(tiny_dir, tmp_path):
     def attempt(text, held=None):
         f = tmp_path / "p.jsonl"
