@@ -71,9 +71,14 @@ class _Wrapper:
         p_len = min((v for v in self.buckets.prompt if v >= longest), default=cache)
         cache = max(cache, Buckets.pick(self.buckets.cache, p_len, "prompt length"))
         # Only the shapes this call needs: one prompt bucket (it holds every prompt), one
-        # batch bucket, and greedy steps only for greedy-only calls.
+        # batch bucket, and greedy steps only for greedy-only calls. The whole batch is
+        # prefilled in one call: an offline call has no decoding requests that a large
+        # prefill would delay (the engine's budget is for those), and b single-row
+        # prefills cost b weight reads (4096 rows took ~12 s of host time alone).
+        budget = max(EngineConfig.prefill_token_budget, b * p_len)
         return EngineConfig(max_batch=b, max_seq_len=cache, batch_buckets=(b,), prompt_buckets=(p_len,),
-                            speculative=speculative, dtype=None, sampled_steps=not all(sp.greedy for sp in params))
+                            speculative=speculative, dtype=None, sampled_steps=not all(sp.greedy for sp in params),
+                            prefill_token_budget=budget)
 
     def _engine(self, key, make) -> Engine:
         if key not in self._engines:
