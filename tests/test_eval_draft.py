@@ -141,8 +141,18 @@ def test_eval_draft_end_to_end(tiny, capsys):
     # The engine's own count covers both passes of both shapes, plus the warm-ups.
     assert report["engine_totals"]["steps"] > 2 * sum(r["steps"] for r in entry["shapes"].values())
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Teacher-forced agreement on the plain outputs, by step (the deepest shape's 2 steps).
+    tf = entry["teacher_forced"]
+    assert len(tf["agreement_by_step"]) == 2 and all(0 <= a <= 1 for a in tf["agreement_by_step"])
+    # Every response token is a label at each step (anchors reach back into the prompt,
+    # as in training; the draft's vocabulary is the target's here): 10 per prompt.
+    assert tf["positions"] == [2 * 10, 2 * 10]
+    assert tf["agreement_by_step"][0] > 0  # the engine accepted drafts at depth 1, so some agree
+    a1, a2 = tf["agreement_by_step"]
+    assert tf["predicted_chain_accept_length"] == {"1": pytest.approx(1 + a1), "2": pytest.approx(1 + a1 + a1 * a2)}
     table = capsys.readouterr().out
     assert "| suite | shape | accept length |" in table and "tree S=2 k=2 T=4" in table
+    assert "teacher-forced agreement by step" in table
 
 
 def test_a_speculative_output_that_differs_from_plain_is_a_hard_error(tiny, monkeypatch):

@@ -216,7 +216,7 @@ def run_eval(
             seen += c.accept_lengths
 
     compiles_before = compile_count()
-    results = {}
+    results, plain_outputs = {}, {}
     for suite in suites:
         ps = prompts[suite.name]
         runs = {name: [] for name, _ in runs_order}
@@ -264,6 +264,7 @@ def run_eval(
                 "outputs_compared": compared[name],
             }
         results[suite.name] = entry
+        plain_outputs[suite.name] = (ps, plain_out)
 
     # The per-suite figures come from the completions; the engine counted the same steps.
     summary = spec.metrics.summary()
@@ -278,17 +279,44 @@ def run_eval(
             f"{ours['acceptance_rate_by_depth']}) disagree with EngineMetrics ({engine_steps} steps, mean "
             f"{summary['mean_accept_length']}, by depth {summary['acceptance_rate_by_depth']})"
         )
+    compiles_during_timing = compile_count() - compiles_before
+    # After the timed passes: the features and the unrolled draft compile graphs of their own.
+    for name, (ps, outs) in plain_outputs.items():
+        results[name]["teacher_forced"] = _teacher_forced(target, draft, ps, outs, max(cfg.num_steps for cfg in shapes))
     return {
         "max_seq_len": max_seq_len,
         "prompt_buckets": list(buckets),
         "dtype": jnp.dtype(target.dtype).name,
-        "compiles_during_timing": compile_count() - compiles_before,
+        "compiles_during_timing": compiles_during_timing,
         "suites": results,
         "engine_totals": {
             "note": "every speculative step of the run (all suites and shapes, warm-up included), from EngineMetrics",
             "steps": engine_steps,
             **{k: summary[k] for k in ("mean_accept_length", "acceptance_rate_by_depth")},
         },
+    }
+
+
+def _teacher_forced(target, draft, prompts, outputs, steps: int) -> dict[str, Any]:
+    """The draft's agreement with the target by step on this suite's plain (greedy)
+    outputs, fed the true tokens, as training measures it on its held-out prompts
+    (``ttt.teacher_forced_agreement``), and the chain accept length it predicts. Set
+    beside the engine's acceptance by depth it tells a harder prompt set (agreement low
+    here too) from a draft the engine runs differently (agreement high, acceptance low)."""
+    from eagle_jax.train.data import Conversation, extract_features
+    from eagle_jax.train.ttt import expected_accept_length, teacher_forced_agreement
+
+    convs = [Conversation(list(p), list(c.token_ids)) for p, c in zip(prompts, outputs) if len(c.token_ids) > 1]
+    if not convs:
+        return {"agreement_by_step": None, "positions": [0] * steps, "predicted_chain_accept_length": None}
+    data = extract_features(target, convs, max_len=max(len(c.prompt_ids) + len(c.response_ids) for c in convs), batch_size=1)
+    got = teacher_forced_agreement(draft, target, data, steps)
+    return {
+        "measures": "top-1 agreement with the target's greedy token by draft step on the plain outputs, the true tokens "
+                    "fed (training's held-out metric); predicted chain accept length = 1 + sum_k prod_{j<=k} agreement_j",
+        "agreement_by_step": got["agreement"],
+        "positions": got["positions"],
+        "predicted_chain_accept_length": {str(s): expected_accept_length(got["agreement"][:s]) for s in range(1, steps + 1)},
     }
 
 
@@ -312,6 +340,14 @@ def markdown_table(report: dict[str, Any]) -> str:
                 f"| {suite} | {shape} | {_fmt(row['mean_accept_length'], '.2f')} | "
                 f"{' / '.join(f'{a:.2f}' for a in depth) if depth else '-'} | {plain:.1f} | "
                 f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |"
+            )
+    for suite, entry in report["suites"].items():
+        tf = entry.get("teacher_forced") or {}
+        if tf.get("agreement_by_step"):
+            lines.append(
+                f"\n{suite}: teacher-forced agreement by step {' / '.join(f'{a:.2f}' for a in tf['agreement_by_step'])} "
+                f"(chain accept length it predicts: "
+                + ", ".join(f"S={s} {v:.2f}" for s, v in tf["predicted_chain_accept_length"].items()) + ")"
             )
     return "\n".join(lines)
 

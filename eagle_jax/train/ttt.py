@@ -459,6 +459,37 @@ class DraftTrainer:
         return {"loss": loss / cnt, "acc": acc / cnt}
 
 
+def teacher_forced_agreement(draft: Eagle3Draft, target: LlamaModel, data: FeatureSet, steps: int) -> dict[str, Any]:
+    """The draft's top-1 agreement with the target by draft step on given sequences, as
+    training measures it (``ttt_loss``'s ``acc``: the true tokens fed, response positions
+    whose target argmax is in the draft vocabulary), one sequence at a time.
+
+    On the target's own greedy outputs, step 1's agreement is what a greedy chain accepts
+    at depth 1, and ``expected_accept_length`` of the steps' agreements predicts the chain's
+    mean accept length where the steps' errors are independent. Comparing it with the
+    training-time held-out agreement separates a harder prompt distribution from a
+    train/inference mismatch (the engine's draft is the unrolled one exactly:
+    tests/train/test_ttt.py). Returns {"agreement": [steps], "positions": [steps]}."""
+    ids = np.asarray(draft.draft_to_target(jnp.arange(draft.config.draft_vocab_size)))
+    head = jnp.asarray(np.asarray(target.lm_head[...], np.float32)[:, ids])
+    graph, params = nnx.split(draft)
+
+    @jax.jit  # one graph per padded width (widths rounded up to 64)
+    def run(params, batch):
+        _, aux = ttt_loss(nnx.merge(graph, params), head, batch, ttt_length=steps, step_decay=1.0)
+        return aux["acc"] * aux["count"], aux["count"]
+
+    hits = np.zeros(steps)
+    count = np.zeros(steps)
+    for i in range(len(data)):
+        width = int(-(-int(data.lengths[i]) // 64) * 64)
+        batch = _batch_arrays(data, np.array([i]), min(width, data.tokens.shape[1]), 1)
+        h, c = run(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        hits += np.asarray(h)
+        count += np.asarray(c)
+    return {"agreement": (hits / np.maximum(count, 1)).tolist(), "positions": count.astype(int).tolist()}
+
+
 def expected_accept_length(acc: np.ndarray) -> float:
     """Chain accept length implied by per-step top-1 agreements (each step conditional
     on the previous ones being right): 1 + sum_k prod_{j<=k} acc_j."""
