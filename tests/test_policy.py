@@ -11,7 +11,9 @@ from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.serving.engine import Engine, EngineConfig, compile_count
 from eagle_jax.errors import ConfigError, InputError
-from eagle_jax.serving.policy import AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes
+from eagle_jax.serving.policy import (
+    DEFAULT_AUTO_SHAPES, AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes, prune_by_prior,
+)
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 from hf_factories import make_hf_model, write_word_tokenizer
@@ -191,6 +193,34 @@ def test_exploration_backs_off_while_the_choice_stands_and_resets_on_a_switch():
     assert p._next_probe[1] == (n0 + 2 + 16 + 32, 32)
     with pytest.raises(ConfigError, match="explore_max"):
         AutoPolicy(CHAINS[:1], explore_every=16, explore_max=8)
+
+
+def test_default_candidates_are_pruned_by_the_cards_prior(tmp_path):
+    """Auto compiles only the default shapes whose deepest step the card expects to accept
+    at least AUTO_MIN_DEPTH_GAIN of the time; shapes the user lists are all kept."""
+    from eagle_jax.serving.config import default_policy
+
+    defaults = parse_shapes(DEFAULT_AUTO_SHAPES)
+    # Released v2's card: 0.52, 0.52*0.46 = 0.24, then 0.105 at depth 3 and 0.044 at depth 4.
+    kept, pruned = prune_by_prior(defaults, [0.52, 0.46, 0.436, 0.416])
+    assert [s.shape for s in kept] == ["chain S=1", "chain S=2", "chain S=3", "tree S=2 k=4 T=6", "tree S=3 k=4 T=8"]
+    assert [s.shape for s in pruned] == ["chain S=4", "chain S=5", "tree S=4 k=4 T=12"]
+    # The last rate repeats past the prior's length: 0.9^5 = 0.59 keeps everything.
+    assert prune_by_prior(defaults, [0.9]) == (defaults, ())
+    # Nothing pays: the shallowest shape stays, so auto still has one to try.
+    assert prune_by_prior(defaults, [0.01]) == ((defaults[0],), defaults[1:])
+    assert prune_by_prior(defaults, [0.3], min_gain=0.1)[0] == tuple(s for s in defaults if s.num_steps <= 1)
+
+    card = tmp_path / "draft"
+    card.mkdir()
+    (card / "training.json").write_text(json.dumps({"final_eval": {"acc": [0.52, 0.46, 0.436, 0.416]}}))
+    policy = default_policy(EngineConfig(spec_policy="auto"), card)
+    assert policy.shapes == kept and policy.pruned == pruned
+    assert "left out by the prior (deepest step expected to accept < 0.05): chain S=4, chain S=5" in policy.describe()
+    listed = default_policy(EngineConfig(spec_policy="auto", spec_shapes=defaults), card)
+    assert listed.shapes == defaults and listed.pruned == ()
+    # Without a card (no prior) nothing is pruned.
+    assert default_policy(EngineConfig(spec_policy="auto"), tmp_path / "none").shapes == defaults
 
 
 def test_bad_settings_and_shapes_are_named(tmp_path):

@@ -13,7 +13,7 @@ from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
 from eagle_jax.serving.policy import (
     DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
-    policy_shapes,
+    policy_shapes, prune_by_prior,
 )
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, default_shape
 from eagle_jax.validate import flag, int_in, is_int, is_number, non_negative_int, one_of, optional, positive_int
@@ -73,7 +73,9 @@ class EngineConfig:
         "fixed" and "threshold" need one.
       spec_shapes: the candidates of the "auto" policy (default
         ``policy.DEFAULT_AUTO_SHAPES``, with ``speculative``'s sampling settings, or the
-        defaults when it is None).
+        defaults when it is None; with a draft's model card, the defaults whose deepest
+        step its acceptance prior expects to pay are kept (``policy.prune_by_prior``):
+        the others are never compiled. Shapes given here are all compiled).
       spec_calibration_s: the "auto" policy's start-up timing budget in seconds.
       spec_calibration_context: the committed positions of every row while the "auto"
         policy times the steps (default ``max_seq_len // 2``): a tree's verify attends
@@ -221,10 +223,15 @@ def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *,
     if name == "auto":
         s = config.speculative or SpeculativeConfig()
         fields = dict(sampling_verify=s.sampling_verify, threshold_single=s.threshold_single, threshold_acc=s.threshold_acc)
-        shapes = config.spec_shapes or parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
         prior = card_acceptance(draft_dir) if draft_dir is not None else None
+        shapes, pruned = config.spec_shapes, ()
+        if shapes is None:
+            shapes = parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
+            # The default candidates only: shapes the user listed are all compiled.
+            if prior is not None:
+                shapes, pruned = prune_by_prior(shapes, prior)
         return AutoPolicy(shapes, prior=prior, hysteresis=config.spec_hysteresis_steps,
-                          calibration_budget_s=config.spec_calibration_s)
+                          calibration_budget_s=config.spec_calibration_s, pruned=pruned)
     if name == "fixed":
         return FixedPolicy(config.speculative)
     return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)
