@@ -22,6 +22,18 @@ Greedy speculative output must equal plain decoding token for token (checked; a
 mismatch fails the run). transformers' agreement with plain decoding is reported, not
 enforced: batched, left-padded float32 on another library may differ in the last bits.
 
+Per request, each eagle-jax system's first timed pass records the time to first token
+as the engine's completions carry it (``ttft_s``, from arrival, so at a small batch it
+includes the wait behind earlier prompts; ``ttft_after_admission_s``, from the request's
+admission, the figure a one-at-a-time peer is compared with) and its decode tokens/s.
+
+A peer side by side (``--export-prompts FILE``, then ``scripts/peers/vllm_cpu.sh``, then
+``--peer RESULT.json``): bench writes the exact prompt token ids it runs, a peer runs
+them elsewhere, and bench reads the peer's figures back (refusing a file run on other
+prompt ids) and sets them beside eagle-jax plain's: time to first token, decode tokens/s,
+end-to-end tokens/s one request at a time and all at once, and how many greedy outputs
+equal plain decoding's.
+
 Output in ``--out`` (default ``results/bench``): ``bench.json`` (the command, an
 environment fingerprint, every figure), ``bench.md`` (the table) and ``bench.png``.
 """
@@ -39,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle_jax.errors import ConfigError, EagleJaxError
+from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.experiments import harness
 from eagle_jax.experiments.harness import POLICIES
 
@@ -168,9 +180,11 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     model_dir = args.model or str(default_model_dir())
     plans = {b: systems_for(args, b, with_hf) for b in args.batch_sizes}  # every point checked before any run
     runner = harness.Runner(log)
-    target, draft = runner.models(model_dir, args.draft, args.dtype)
     tokenizer = Tokenizer.from_dir(model_dir)
     suite, prompts = runner.prompts(args.suite, args.max_prompts, tokenizer)
+    ids = [r.id for r in suite.records]
+    peers = [(path, load_peer(path, ids, prompts, args.max_new_tokens)) for path in (args.peer or [])]
+    target, draft = runner.models(model_dir, args.draft, args.dtype)
     max_seq_len, buckets = harness.context_sizes(max(map(len, prompts)), args.max_new_tokens,
                                          target.config.max_position_embeddings)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens)] * len(prompts)
@@ -182,6 +196,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         f"{bandwidth / 1e9:.1f} GB/s, {wbytes / 1e6:.0f} MB of weights per step")
 
     by_batch = []
+    plain_outputs = None
     for b, systems in plans.items():
         engines = {}
         for s in systems:
@@ -189,13 +204,14 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 engines[s.name] = runner.engine(target, draft, tokenizer, s.point, max_seq_len, buckets,
                                                 speculative=s.kind == "speculative")
 
-        def one_pass(s: System) -> tuple[float, list[list[int]], list[int]]:
+        def one_pass(s: System) -> tuple[float, list[list[int]], list[int], list[dict[str, Any]]]:
             if s.kind == "transformers":
                 t0 = time.perf_counter()
                 outs = hf.generate(prompts, b, args.max_new_tokens)
-                return sum(map(len, outs)) / (time.perf_counter() - t0), outs, []
+                return sum(map(len, outs)) / (time.perf_counter() - t0), outs, [], []
             done, tps = harness.timed_generate(engines[s.name], prompts, params)
-            return tps, [list(c.token_ids) for c in done], [a for c in done for a in c.accept_lengths]
+            return (tps, [list(c.token_ids) for c in done], [a for c in done for a in c.accept_lengths],
+                    request_rows(ids, prompts, done))
 
         for s in systems:  # warm-up pass: compiles, first allocations, transformers' caches
             one_pass(s)
@@ -203,18 +219,21 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         first: dict[str, tuple] = {}
         for rep in range(args.repeats):
             for s in systems:
-                tps, outs, accepts = one_pass(s)
+                tps, outs, accepts, requests = one_pass(s)
                 rates[s.name].append(tps)
                 if rep == 0:
-                    first[s.name] = (outs, accepts)
+                    first[s.name] = (outs, accepts, requests)
         plain_name = "eagle-jax plain"
         plain_out = first[plain_name][0]
         roof = b * bandwidth / wbytes
         rows = []
         for s in systems:
-            outs, accepts = first[s.name]
+            outs, accepts, requests = first[s.name]
             row: dict[str, Any] = {"system": s.name, "kind": s.kind, "tokens_per_second": harness.spread(rates[s.name]),
                                    "generated_tokens": sum(map(len, outs))}
+            if requests:
+                row.update(request_medians(requests))
+                row["requests"] = requests
             if s.kind == "speculative":
                 eng = engines[s.name]
                 depth = max(x.num_steps for x in policy_shapes(eng.policy))
@@ -241,7 +260,9 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 r["speedup_over_transformers"] = med[r["system"]] / med["transformers"]
         by_batch.append({"batch_size": b, "rows": rows})
         log(summary_line(b, rows))
-    return {
+        if plain_outputs is None:  # greedy plain output, the first batch size's: what peers are checked against
+            plain_outputs = plain_out
+    report = {
         "command": command_line(args),
         "suite": suite.name,
         "prompts": len(prompts),
@@ -253,6 +274,14 @@ def run_bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "fingerprint": fingerprint(args.dtype),
         "finished_at": harness.timestamp(),
     }
+    if peers:
+        eos = set(tokenizer.eos_token_ids)
+        report["side_by_side"] = [plain_side_by_side(by_batch, len(prompts))] + [
+            peer_row(path, data, plain_outputs, eos) for path, data in peers]
+        for r in report["side_by_side"][1:]:
+            log(f"peer {r['system']}: TTFT median {r['ttft_median_s'] * 1e3:.1f} ms, greedy outputs identical to "
+                f"eagle-jax plain on {r['prompts_identical_to_plain']}/{r['prompts']} prompts")
+    return report
 
 
 def _transformers_wanted(mode: str) -> bool:
@@ -265,6 +294,158 @@ def _transformers_wanted(mode: str) -> bool:
     if mode == "on" and not have:
         raise ConfigError("--transformers on: transformers and torch are not installed (pip install transformers torch)")
     return have if mode == "auto" else mode == "on"
+
+
+# ----------------------------------------------------------------------------- per request
+
+
+def request_rows(ids: list, prompts: list[list[int]], done) -> list[dict[str, Any]]:
+    """Each completion's time to first token, as the engine recorded it: ``ttft_s`` from
+    arrival (every prompt arrives at the pass's start, so it includes the wait for a
+    seat), ``queue_s`` arrival to admission, ``ttft_after_admission_s`` the difference."""
+    rows = []
+    for rid, p, c in zip(ids, prompts, done):
+        ttft, queue = c.ttft_s, c.queue_s
+        rows.append({"id": rid, "prompt_tokens": len(p), "output_tokens": len(c.token_ids), "ttft_s": ttft,
+                     "queue_s": queue, "ttft_after_admission_s": None if ttft is None or queue is None else ttft - queue,
+                     "decode_tokens_per_second": c.decode_tokens_per_second})
+    return rows
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def request_medians(requests: list[dict[str, Any]]) -> dict[str, float | None]:
+    return {"ttft_median_s": _median([r["ttft_s"] for r in requests]),
+            "ttft_after_admission_median_s": _median([r["ttft_after_admission_s"] for r in requests]),
+            "decode_tokens_per_second_median": _median([r["decode_tokens_per_second"] for r in requests])}
+
+
+# ----------------------------------------------------------------------------- peers
+
+PEER_PROMPTS_FORMAT = "eagle-jax-peer-prompts"  # what --export-prompts writes (scripts/peers/vllm_driver.py reads it)
+PEER_RESULT_FORMAT = "eagle-jax-peer-result"  # what the driver writes and --peer reads
+PEER_FORMAT_VERSION = 1
+
+
+def export_prompts(args: argparse.Namespace, log=print) -> Path:
+    """Write the prompt token ids this bench run would use (its suite and --max-prompts
+    selection, tokenized as the run tokenizes them) in the peer driver's input format:
+    a header line, then one ``{"id", "prompt_token_ids"}`` per prompt."""
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
+    from eagle_jax.defaults import default_model_dir
+
+    model_dir = Path(args.model or default_model_dir())
+    tokenizer = Tokenizer.from_dir(model_dir)
+    suite, prompts = harness.Runner(log).prompts(args.suite, args.max_prompts, tokenizer)
+    header = {"format": PEER_PROMPTS_FORMAT, "version": PEER_FORMAT_VERSION, "model": str(model_dir.resolve()),
+              "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+              "bench": {"suite": suite.name, "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens,
+                        "dtype": args.dtype, "command": command_line(args)},
+              "written_at": harness.timestamp()}
+    lines = [json.dumps(header)] + [json.dumps({"id": r.id, "prompt_token_ids": p}) for r, p in zip(suite.records, prompts)]
+    path = Path(args.export_prompts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def load_peer(path: Path, ids: list, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """A peer's result file, checked against this run: the same prompts (ids and token ids,
+    in order) and the same number of new tokens; an InputError names the first prompt
+    that differs."""
+    where = f"--peer {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{where}: no such file (scripts/peers/vllm_cpu.sh writes it)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{where}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != PEER_RESULT_FORMAT:
+        raise InputError(f"{where}: not a peer result file (format {PEER_RESULT_FORMAT!r}, as scripts/peers/vllm_driver.py "
+                         "writes)")
+    if data.get("version") != PEER_FORMAT_VERSION:
+        raise InputError(f"{where}: version {data.get('version')!r}, this bench reads version {PEER_FORMAT_VERSION}")
+    reqs = data.get("requests")
+    keys = ("id", "prompt_token_ids", "output_token_ids", "ttft_s", "total_s")
+    if not isinstance(reqs, list) or not all(isinstance(r, dict) and all(k in r for k in keys) for r in reqs):
+        raise InputError(f"{where}: 'requests' must be a list of objects with {', '.join(keys)}")
+    again = "run the peer on this run's prompts: eagle-jax bench --export-prompts FILE with the same --suite, --model and --max-prompts"
+    for i, rid in enumerate(ids):
+        if i >= len(reqs):
+            raise InputError(f"{where}: prompt {rid!r} is missing (the peer ran {len(reqs)} prompts, this run has "
+                             f"{len(ids)}); {again}")
+        r = reqs[i]
+        if r["id"] != rid:
+            raise InputError(f"{where}: prompt {rid!r} differs: the peer's prompt {i + 1} is {r['id']!r}; {again}")
+        if r["prompt_token_ids"] != prompts[i]:
+            n = harness.first_difference(r["prompt_token_ids"], prompts[i])
+            raise InputError(f"{where}: prompt {rid!r} differs: the peer ran other prompt token ids (from token {n}); "
+                             f"{again}")
+    if len(reqs) > len(ids):
+        raise InputError(f"{where}: prompt {reqs[len(ids)]['id']!r} differs: this run has no such prompt (the peer ran "
+                         f"{len(reqs)} prompts, this run {len(ids)}); {again}")
+    if data.get("max_new_tokens") != max_new_tokens:
+        raise InputError(f"{where}: the peer generated up to {data.get('max_new_tokens')!r} new tokens, this run "
+                         f"--max-new-tokens {max_new_tokens}")
+    return data
+
+
+def same_greedy_output(plain: list[int], peer: list[int], eos: set[int]) -> bool:
+    """The peer's output, cut after its first EOS token (a peer run with ignore_eos goes
+    on past it), against plain decoding's (which stops there, EOS included); a peer that
+    leaves the EOS token out of its output still matches."""
+    cut = next((j + 1 for j, t in enumerate(peer) if t in eos), len(peer))
+    peer = list(peer[:cut])
+    return peer == plain or (bool(plain) and plain[-1] in eos and peer == plain[:-1])
+
+
+def peer_row(path: Path, data: dict[str, Any], plain_outputs: list[list[int]], eos: set[int]) -> dict[str, Any]:
+    """A peer's row of the side-by-side table: its medians, and how many of its greedy
+    outputs equal eagle-jax plain decoding's."""
+    m = data.get("medians") or {}
+    same = [same_greedy_output(p, r["output_token_ids"], eos) for p, r in zip(plain_outputs, data["requests"])]
+    name = f"{data.get('peer', 'peer')} {data.get('dtype', '')}".strip()
+    return {
+        "system": name, "kind": "peer", "file": str(path), "dtype": data.get("dtype"),
+        "self_check": bool(data.get("self_check")), "ignore_eos": bool(data.get("ignore_eos")),
+        "command": data.get("command"), "versions": (data.get("fingerprint") or {}).get("versions"),
+        "ttft_median_s": m.get("ttft_s"),
+        "decode_tokens_per_second_median": m.get("decode_tokens_per_second"),
+        "end_to_end_tokens_per_second": m.get("end_to_end_tokens_per_second"),
+        "concurrent_tokens_per_second": m.get("concurrent_tokens_per_second"),
+        "prompts": len(same), "prompts_identical_to_plain": sum(same),
+        "requests": [{"id": r["id"], "prompt_tokens": len(r["prompt_token_ids"]), "ttft_s": r["ttft_s"],
+                      "total_s": r["total_s"], "decode_tokens_per_second": r.get("decode_tokens_per_second"),
+                      "output_tokens": len(r["output_token_ids"]), "identical_to_plain": s}
+                     for r, s in zip(data["requests"], same)],
+    }
+
+
+def plain_side_by_side(by_batch: list[dict[str, Any]], n_prompts: int) -> dict[str, Any]:
+    """eagle-jax plain's figures in the peers' terms: TTFT (from admission) and decode
+    tokens/s medians at the smallest batch size run, end-to-end tokens/s at batch 1
+    (one request at a time) and at the smallest batch that seats every prompt (all at
+    once); None where that batch size was not run."""
+    def plain(b):
+        return next(r for r in b["rows"] if r["kind"] == "plain")
+
+    first = plain(by_batch[0])
+    one = next((plain(b) for b in by_batch if b["batch_size"] == 1), None)
+    seats = sorted((b for b in by_batch if b["batch_size"] >= n_prompts), key=lambda b: b["batch_size"])
+    return {
+        "system": first["system"], "kind": "plain", "batch_size": by_batch[0]["batch_size"],
+        "ttft_median_s": first.get("ttft_after_admission_median_s"),
+        "decode_tokens_per_second_median": first.get("decode_tokens_per_second_median"),
+        "end_to_end_tokens_per_second": one["tokens_per_second"]["median"] if one else None,
+        "concurrent_tokens_per_second": plain(seats[0])["tokens_per_second"]["median"] if seats else None,
+        "concurrent_batch_size": seats[0]["batch_size"] if seats else None,
+        "prompts": n_prompts,
+        "requests": [{"id": r["id"], "prompt_tokens": r["prompt_tokens"], "ttft_s": r["ttft_after_admission_s"]}
+                     for r in first.get("requests", [])],
+    }
 
 
 # ----------------------------------------------------------------------------- reports
@@ -307,7 +488,33 @@ def markdown(report: dict[str, Any]) -> str:
                 line += f" {r['speedup_over_transformers']:.2f}x |"
             line += f" {100 * r['fraction_of_roofline']:.0f}% |"
             lines.append(line)
+    if report.get("side_by_side"):
+        lines += ["", *side_by_side_markdown(report["side_by_side"])]
     return "\n".join(lines) + "\n"
+
+
+def side_by_side_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The peers beside eagle-jax plain, on the same prompt token ids."""
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    plain = rows[0]
+    lines = ["Side by side on the same prompt token ids (greedy). TTFT: eagle-jax plain's from admission at batch "
+             f"{plain['batch_size']}, as its completions record it; a peer's from a max_tokens=1 request run alone. "
+             "One at a time: batch 1; all at once: every prompt in one batch"
+             + (f" (eagle-jax: batch {plain['concurrent_batch_size']})." if plain.get("concurrent_batch_size") else "."),
+             "",
+             "| system | TTFT median (ms) | decode tok/s median | tok/s one at a time | tok/s all at once | "
+             "outputs identical to plain |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ttft = None if r["ttft_median_s"] is None else 1e3 * r["ttft_median_s"]
+        same = "-" if r["kind"] == "plain" else f"{r['prompts_identical_to_plain']}/{r['prompts']}"
+        name = r["system"] + (" (ignore_eos)" if r.get("ignore_eos") else "")
+        lines.append(f"| {name} | {num(ttft, '.1f')} | {num(r['decode_tokens_per_second_median'], '.1f')} | "
+                     f"{num(r['end_to_end_tokens_per_second'], '.1f')} | {num(r['concurrent_tokens_per_second'], '.1f')} | "
+                     f"{same} |")
+    return lines
 
 
 def save_figure(report: dict[str, Any], path: Path) -> None:
@@ -316,7 +523,7 @@ def save_figure(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.5))
     names = list(dict.fromkeys(r["system"] for b in report["batches"] for r in b["rows"]))
     xs = [b["batch_size"] for b in report["batches"]]
     for name in names:
@@ -347,6 +554,22 @@ def save_figure(report: dict[str, Any], path: Path) -> None:
     ax2.set_title(f"acceptance by depth (batch {b0['batch_size']})")
     if ax2.lines:
         ax2.legend(fontsize=7)
+    # Time to first token against prompt length: eagle-jax plain (from admission, first
+    # batch size) and the peers (a max_tokens=1 request alone).
+    plain = next(r for r in b0["rows"] if r["kind"] == "plain")
+    series = [(f"{plain['system']} (batch {b0['batch_size']})",
+               [(q["prompt_tokens"], q["ttft_after_admission_s"]) for q in plain.get("requests", [])])]
+    series += [(r["system"], [(q["prompt_tokens"], q["ttft_s"]) for q in r["requests"]])
+               for r in report.get("side_by_side", [])[1:]]
+    for name, pts in series:
+        pts = sorted((x, 1e3 * y) for x, y in pts if y is not None)
+        if pts:
+            ax3.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+    ax3.set_xlabel("prompt tokens")
+    ax3.set_ylabel("time to first token (ms)")
+    ax3.set_title("time to first token by prompt length")
+    if ax3.lines:
+        ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -363,6 +586,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--batch-sizes", *map(str, args.batch_sizes), "--max-prompts", str(args.max_prompts),
               "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
               "--transformers", args.transformers, "--dtype", args.dtype, "--out", str(args.out)]
+    for path in getattr(args, "peer", None) or []:
+        parts += ["--peer", str(path)]
     return shlex.join(parts)
 
 
@@ -391,6 +616,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="run transformers' generate too (auto: when installed)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--out", type=Path, default=Path("results") / "bench")
+    p.add_argument("--export-prompts", type=Path, metavar="FILE",
+                   help="write the prompt token ids this run would use (for scripts/peers/vllm_cpu.sh) and exit")
+    p.add_argument("--peer", type=Path, action="append", default=[], metavar="RESULT.json",
+                   help="a peer's results on the same prompt token ids (scripts/peers/vllm_cpu.sh), set beside "
+                        "eagle-jax plain; repeatable")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -411,9 +641,17 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         check_args(args)
-        report = run_bench(args, log=lambda m: print(m, file=sys.stderr, flush=True))
+        if args.export_prompts is not None:
+            if args.peer:
+                raise ConfigError("--export-prompts writes the prompts and exits: --peer goes with a bench run")
+            path = export_prompts(args, log)
+            print(f"wrote the prompt token ids to {path}; next: scripts/peers/vllm_cpu.sh --prompts {path}",
+                  file=sys.stderr)
+            return 0
+        report = run_bench(args, log=log)
     except EagleJaxError as e:
         print(f"eagle-jax bench: error: {e}", file=sys.stderr)
         return 2
