@@ -117,6 +117,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
     g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
                    help="threshold policy: switch speculation off while the padded batch is larger than N")
+    g.add_argument("--background-compile", action="store_true",
+                   help="start serving with plain steps once they are compiled, and compile the speculative steps "
+                        "in a background thread; the policy calibrates and speculation starts when they are ready "
+                        "(auto and threshold policies; the output is the same)")
     g.add_argument("--time-phases", action="store_true",
                    help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
                         "mode), and print draft/verify ms per step")
@@ -233,6 +237,7 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
         mesh=args.mesh,
         draft_sharding=args.draft_sharding,
         draft_sync=args.draft_sync,
+        background_compile=args.background_compile,
     )
 
 

@@ -149,6 +149,11 @@ class BuildReport:
                          f"compile {t.compile_s:.1f}{', cached' if t.cache_hit else ''})" for t in top)
 
 
+def _is_speculative(key: tuple) -> bool:
+    """A speculative step's graph (or one of its phases), as keyed by ``StepTable._define``."""
+    return key[0] in ("draft", "verify") or (key[0] == "step" and key[2] is not None)
+
+
 class StepTable:
     """Every compiled graph for one (target, draft) pair and one set of static shapes.
 
@@ -255,6 +260,8 @@ class StepTable:
         self._specs = {b: self._state_spec(b) for b in set(self.batch_buckets) | self._prefill_sizes()}
         self._graphs: dict[tuple, Any] = {}
         self.report: BuildReport | None = None
+        # Speculative graphs left to build_later (build(speculative_later=True)).
+        self._later: list[tuple[str, tuple, Callable]] = []
 
     # -- shapes and shardings
 
@@ -491,22 +498,51 @@ class StepTable:
 
     # -- build
 
-    def build(self, progress: bool = False) -> BuildReport:
-        """Compile every graph (once); returns how many and how long."""
+    def build(self, progress: bool = False, speculative_later: bool = False) -> BuildReport:
+        """Compile every graph (once); returns how many and how long.
+
+        ``speculative_later``: compile everything but the speculative steps (and their
+        draft and verify phases) now, and leave those to ``build_later`` (the engine's
+        background compile, ``EngineConfig.background_compile``): the table can prefill
+        and run plain steps as soon as this returns. Asking for a speculative graph
+        before ``build_later`` has compiled it raises ``CompileAfterBuildError``."""
         if self.report is not None:
             return self.report
         jobs = self._define()
-        t0 = time.perf_counter()
+        if speculative_later:
+            self._later = [j for j in jobs if _is_speculative(j[1])]
+            jobs = [j for j in jobs if not _is_speculative(j[1])]
+        self.report = self._compile(jobs, progress, "at start-up")
+        return self.report
 
+    def build_later(self) -> BuildReport:
+        """Compile the graphs ``build(speculative_later=True)`` left out (any thread may
+        call it while another runs the table's compiled graphs: it only adds graphs);
+        returns their report."""
+        if self.report is None:
+            raise CompileAfterBuildError("build_later() before build(): nothing was compiled yet")
+        report = self._compile(self._later, False, "in the background")
+        self._later = []
+        return report
+
+    @property
+    def speculative_pending(self) -> int:
+        """Speculative graphs that ``build(speculative_later=True)`` left to ``build_later``
+        and that are not compiled yet."""
+        return sum(key not in self._graphs for _, key, _ in self._later)
+
+    def _compile(self, jobs, progress: bool, when: str) -> BuildReport:
+        t0 = time.perf_counter()
         timings = []
 
         def run(name, key, thunk):
             split = []
             try:
-                self._graphs[key] = thunk(split)
+                graph = thunk(split)
             except Exception as e:
-                e.add_note(f"eagle-jax: while compiling the {name} graph at start-up")
+                e.add_note(f"eagle-jax: while compiling the {name} graph {when}")
                 raise
+            self._graphs[key] = graph  # one assignment: a reader on another thread sees it whole or not at all
             timings.append(GraphTiming(name, *split))
             log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
                       *split[:3], ", from the persistent cache" if split[3] else "")
@@ -524,17 +560,17 @@ class StepTable:
             for name, key, thunk in jobs:
                 run(name, key, thunk)
         temps, code = [0], 0
-        for g in self._graphs.values():
+        for _, key, _ in jobs:
             try:
-                m = g.memory_analysis()
+                m = self._graphs[key].memory_analysis()
             except (AttributeError, NotImplementedError):  # a backend without the analysis
                 continue
             if m is not None:
                 temps.append(int(m.temp_size_in_bytes))
                 code += int(m.generated_code_size_in_bytes)
-        self.report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code, timings)
-        log.debug("slowest graphs: %s", self.report.slowest())
-        return self.report
+        report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code, timings)
+        log.debug("slowest graphs: %s", report.slowest())
+        return report
 
     def compile_graph(self, key: tuple) -> float:
         """Compile the one graph ``key`` (as ``build`` would) unless it is compiled; the
@@ -564,6 +600,8 @@ class StepTable:
     def _get(self, key: tuple):
         g = self._graphs.get(key)
         if g is None:
+            if any(key == k for _, k, _ in self._later):
+                raise CompileAfterBuildError(f"graph {key} is still compiling in the background (build_later)")
             if self.report is None and not self._graphs:
                 raise CompileAfterBuildError(f"step table not built yet (graph {key} asked for); call build() first")
             raise CompileAfterBuildError(

@@ -224,7 +224,8 @@ class Server:
                 return JSONResponse({"status": "failed", "error": repr(self.worker.error)}, status_code=503)
             if not self.worker.alive:
                 return JSONResponse({"status": "stopping"}, status_code=503)
-            return {"status": "ok"}
+            # "compiling": --background-compile, plain steps until the speculative ones are ready.
+            return {"status": "ok", "speculation": "ready" if self.worker.speculation_ready else "compiling"}
 
         @app.get("/metrics")
         async def metrics():

@@ -43,5 +43,8 @@ class ServerMetrics:
                              ["bucket", "shape"], registry=r)
         self.prompt_tokens = Counter("eagle_jax_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("eagle_jax_generated_tokens", "Tokens generated", registry=r)
+        self.speculative_pending = Gauge(
+            "eagle_jax_speculative_graphs_pending", "Speculative step graphs still compiling in the background "
+            "(--background-compile; plain steps run until 0 and the policy has calibrated)", registry=r)
         self.tokens_per_second = Gauge("eagle_jax_tokens_per_second",
                                        "Tokens generated per second over the last few seconds", registry=r)

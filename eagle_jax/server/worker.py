@@ -79,6 +79,7 @@ class EngineThread:
 
     def __init__(self, engine: Engine, metrics: ServerMetrics, on_failure: Callable[[], None] | None = None):
         self.engine = engine
+        self.speculation_ready = engine.speculation_ready
         self.on_failure = on_failure  # called on the engine thread if it dies (serve stops the HTTP side)
         self.metrics = metrics
         self.error: BaseException | None = None
@@ -138,6 +139,9 @@ class EngineThread:
                 busy = e.has_unfinished() or e.scheduler.live > 0
                 if self._stop.is_set() and not busy and e.submissions_waiting() == 0:
                     return
+                # Speculation starts (after calibrating) as soon as the background compile
+                # is done, not at the next request; its error fails the engine here.
+                e.poll_background()
                 e.take_submitted(timeout=0.0 if busy else IDLE_WAIT_S)
                 # A finished or cancelled request holds its row until the next step frees it.
                 if e.has_unfinished() or e.scheduler.live > 0:
@@ -186,6 +190,8 @@ class EngineThread:
         e, m = self.engine, self.metrics
         live = e.scheduler.live
         m.running.set(live)
+        self.speculation_ready = e.speculation_ready  # what /health reports (read on the HTTP side)
+        m.speculative_pending.set(0 if self.speculation_ready else e.table.speculative_pending)
         m.free_slots.set(e.config.max_batch - live)
         m.queue_length.set(sum(not r.done for r in e.scheduler.queue) + e.submissions_waiting())
         steps = e.metrics.steps_by_bucket

@@ -123,6 +123,14 @@ class EngineConfig:
         speculates never pays for the draft) or "auto" (default: deferred where the policy
         can run plain steps and speculate, on one device; eager otherwise, where the
         catch-up's row gather would cross the "data" shards).
+      background_compile: compile the speculative steps in a background thread: the
+        engine is returned once prefill and the plain steps are compiled, and serves
+        plain steps (greedy-identical, the draft kept in sync) until the speculative
+        graphs exist; then, on the engine's thread between two steps, the policy
+        calibrates (from the calibration cache where it holds the timings) and
+        speculation starts (the start-up and "speculation ready" log lines say so). An
+        error there is raised from the next ``Engine.step()``. For a policy that can run
+        plain steps ("auto", "threshold"), in one process; no effect without a draft.
     """
 
     max_batch: int = 8
@@ -149,6 +157,7 @@ class EngineConfig:
     mesh: tuple[int, int] | tuple[int, int, int] | str = (1, 1)
     draft_sharding: str = "replicated"
     draft_sync: str = "auto"
+    background_compile: bool = False
 
     def __post_init__(self):
         for name in ("max_batch", "max_seq_len", "spec_hysteresis_steps", "prefill_token_budget"):
@@ -208,6 +217,10 @@ class EngineConfig:
         flag("time_phases", self.time_phases)
         flag("calibration_cache", self.calibration_cache)
         flag("recalibrate", self.recalibrate)
+        flag("background_compile", self.background_compile)
+        if self.background_compile and policy == "fixed":
+            raise ConfigError("background_compile serves plain steps until the speculative ones are compiled; "
+                              "spec_policy='fixed' never runs plain (use 'auto' or 'threshold')")
         if self.time_phases and policy == "plain":
             raise ConfigError("time_phases is set but spec_policy='plain' (no draft or verify phase to time)")
         object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))

@@ -27,6 +27,15 @@ the draft phase and the verify phase, each waited for, so ``EngineMetrics`` can 
 the step's time splits between drafting and verification. It is a measuring mode: the
 syncs cost the host/device overlap, so steps are slower than the default fused step.
 
+Background compile (``EngineConfig.background_compile``): the engine is returned once
+prefill and the plain steps are compiled; a thread compiles the speculative steps
+meanwhile (``StepTable.build_later``: it only adds graphs, the host loop never waits on
+it). Until they exist every step is plain, whatever the policy would choose, and the
+policy is neither asked nor shown the steps (it has no timings yet). Once they do, the
+engine's own thread calibrates the policy between two steps (``poll_background``, run at
+the start of every ``step()``) and speculation starts; an error in either is raised from
+``step()``, every time it is called, so a failed compile never goes unnoticed.
+
 Threads: the engine belongs to the one thread that calls ``step()``. Other threads reach
 it only through its inbox (``submit``, ``cancel_soon``: thread-safe), which that thread
 applies between steps (``take_submitted``); ``eagle-jax serve``'s engine thread does so.
@@ -43,6 +52,7 @@ import dataclasses
 import functools
 import logging
 import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -125,6 +135,9 @@ class Engine:
             self.metrics.accepted_at_depth = np.zeros(max(s.num_steps for s in shapes), np.int64)
         self.scheduler = Scheduler(config.batch_buckets, config.prompt_buckets, config.max_batch, config.spec_hysteresis_steps)
         self.executor = Executor(self.table, self.metrics, config.batch_buckets[0])
+        self._calibration_for = built.calibration_for
+        # Speculative graphs compiling in another thread (background_compile), or None.
+        self._background = _BackgroundCompile(self.table) if built.background else None
         self._proposer_rows = proposer_rows
         self._pending = None  # the launched step whose results are read next
         self._last_shape: SpeculativeConfig | None = None
@@ -260,6 +273,9 @@ class Engine:
             raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.serving.policy), got {type(policy).__name__}")
         if self.has_unfinished() or self.scheduler.queue:
             raise ConfigError("use_policy() is for an idle engine: requests are still running")
+        if self._background is not None and policy_shapes(policy):
+            raise ConfigError("use_policy(): the speculative steps are still compiling in the background "
+                              "(wait_for_speculation() first)")
         missing = [s.shape for s in policy_shapes(policy) if s not in self.table.shapes]
         if missing:
             raise ConfigError(f"policy {policy.describe()!r} needs shapes this engine did not compile: {missing} "
@@ -268,10 +284,45 @@ class Engine:
             raise ConfigError(f"policy {policy.describe()!r} may run the plain step, which this engine did not compile")
         self.policy = policy
 
+    # -- background compile
+
+    @property
+    def speculation_ready(self) -> bool:
+        """False while the speculative steps compile in the background (plain steps run)."""
+        return self._background is None
+
+    def poll_background(self) -> bool:
+        """On the engine's thread: once the background compile has finished, calibrate
+        the policy and let it speculate (or raise the compile's error); whether
+        speculation is ready. ``step()`` calls it first; an idle server loop calls it too,
+        so calibration does not wait for the next request."""
+        bg = self._background
+        if bg is None:
+            return True
+        if not bg.done.is_set():
+            return False
+        if bg.error is not None:
+            raise bg.error  # every call: the engine cannot speculate, and must not pretend to
+        line = _calibrate(self.policy, self.table, self.config, *self._calibration_for)
+        self.metrics.compiles_at_ready = compile_count()
+        self._background = None
+        log.info("eagle-jax speculation ready %.1f s after start-up: %s in the background%s", time.perf_counter() - bg.t0,
+                 bg.report.describe(), f"; {line}" if line else "")
+        return True
+
+    def wait_for_speculation(self, timeout: float | None = None) -> bool:
+        """On the engine's thread: wait up to ``timeout`` seconds (None: for good) for the
+        background compile, then ``poll_background()``; whether speculation is ready."""
+        bg = self._background
+        if bg is not None:
+            bg.done.wait(timeout)
+        return self.poll_background()
+
     # -- the host loop
 
     def step(self) -> None:
         """One iteration: admit, pick the step, launch it, then handle the previous step."""
+        self.poll_background()
         t_start = time.perf_counter()
         m = self.metrics
         dispatch_before, wait_before = m.dispatch_s, m.device_wait_s
@@ -347,7 +398,8 @@ class Engine:
         x.prefill(s, self.config.prefill_token_budget)
 
     def _choose(self, b: int) -> SpeculativeConfig | None:
-        shape = self.policy.choose(b)
+        # Plain until the speculative graphs are compiled (background_compile).
+        shape = self.policy.choose(b) if self._background is None else None
         if shape is None and not self.table.plain:
             raise ConfigError(f"policy {type(self.policy).__name__} chose the plain step but says runs_plain=False")
         if shape is not None and shape not in self.table.shapes:
@@ -411,9 +463,14 @@ class Engine:
                 if req.done:
                     req.metrics.finished = now
                     break
-        self.policy.observe(r.bucket, r.shape, np.asarray(live_acc, np.int64), r.step_s)
+        # A policy not yet calibrated (background_compile) has nothing to learn from: it
+        # did not choose the step, and its timing model does not exist yet.
+        ready = self._background is None
+        if ready:
+            self.policy.observe(r.bucket, r.shape, np.asarray(live_acc, np.int64), r.step_s)
         if r.step_s is not None:
-            m.timings.add(r.bucket, r.shape, r.step_s, sum(live_acc), self.policy.predicted_tokens_per_second(r.bucket, r.shape))
+            predicted = self.policy.predicted_tokens_per_second(r.bucket, r.shape) if ready else None
+            m.timings.add(r.bucket, r.shape, r.step_s, sum(live_acc), predicted)
 
     def __repr__(self) -> str:
         return f"Engine({self.description})"
@@ -442,6 +499,30 @@ class _Built:
     policy: SpeculationPolicy
     table: StepTable
     description: str
+    background: bool  # the speculative graphs are left to a background compile
+    calibration_for: tuple  # (target, draft) as given: the calibration cache's key
+
+
+class _BackgroundCompile:
+    """The speculative graphs ``StepTable.build_later`` compiles in a daemon thread;
+    ``done`` is set when it has finished, with ``report`` or the ``error`` it raised."""
+
+    def __init__(self, table: StepTable):
+        self.t0 = time.perf_counter()
+        self.report = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(table,), name="eagle-jax-compile", daemon=True).start()
+
+    def _run(self, table: StepTable) -> None:
+        try:
+            self.report = table.build_later()
+        except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, raised from step()
+            e.add_note("eagle-jax: in the background compile (EngineConfig.background_compile); the engine "
+                       "served plain steps until then")
+            self.error = e
+        finally:
+            self.done.set()
 
 
 def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Proposer, progress: bool) -> _Built:
@@ -503,8 +584,19 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
         draft_sync=resolve_draft_sync(config.draft_sync, policy, mesh.size),  # the table ignores it without a draft
         weight_dtype=config.dtype,
     )
-    report = table.build(progress)
-    calibration = _calibrate(policy, table, config, target_path, draft_path)
+    background = config.background_compile and bool(shapes)
+    if background and not policy.runs_plain:
+        raise ConfigError(f"background_compile serves plain steps until the speculative ones are compiled; policy "
+                          f"{policy.describe()!r} never runs plain")
+    if background and spans_processes(mesh):
+        # Each process would start speculating at its own step, and the processes'
+        # collectives would wait on each other for good.
+        raise ConfigError("background_compile runs in one process: across processes every step must be the same graph")
+    report = table.build(progress, speculative_later=background)
+    calibration = None if background else _calibrate(policy, table, config, target_path, draft_path)
+    if background:
+        calibration = (f"{table.speculative_pending} speculative graphs compiling in the background: plain steps until "
+                       "they are ready, then the policy calibrates")
     features = f"; draft features {_feature_layers(target)}" if table.draft is not None else ""
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
@@ -514,7 +606,7 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
         + (f"; draft_sync={config.draft_sync}" if table.draft is not None else "")
     )
     log.info("eagle-jax engine ready: %s; %s%s", describe, report.describe(), f"; {calibration}" if calibration else "")
-    return _Built(config, target, draft, tokenizer, policy, table, describe)
+    return _Built(config, target, draft, tokenizer, policy, table, describe, background, (target_path, draft_path))
 
 
 def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path, draft_path) -> str | None:
