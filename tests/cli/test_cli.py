@@ -164,6 +164,7 @@ def _described(policy):
     (["--spec-policy", "fixed"], dict(spec_policy="fixed")),
     (["--topk", "2"], dict(speculative=SpeculativeConfig(num_steps=3, topk=2, num_draft_tokens=8))),
     (["--spec-disable-batch-threshold", "4"], dict(spec_disable_batch_threshold=4)),
+    (["--background-compile"], dict(background_compile=True)),
     (["--spec-policy", "threshold", "--steps", "2", "--spec-disable-batch-threshold", "1"],
      dict(speculative=SpeculativeConfig(num_steps=2, topk=4, num_draft_tokens=8), spec_disable_batch_threshold=1)),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
@@ -182,12 +183,22 @@ def test_cli_and_api_build_the_same_policy(argv, api):
         cli_config = engine_config(args, draft=draft, **sizes)
         api_config = EngineConfig(max_batch=4, max_seq_len=64, batch_buckets=cli_config.batch_buckets,
                                   prompt_buckets=cli_config.prompt_buckets, sampled_steps=False,
-                                  **(api if draft else {"spec_policy": "plain", "spec_calibration_s": api.get("spec_calibration_s", 20.0)}))
+                                  **(api if draft else {"spec_policy": "plain", "spec_calibration_s": api.get("spec_calibration_s", 20.0),
+                                                  "background_compile": api.get("background_compile", False)}))
         assert cli_config == api_config, draft
         assert _described(default_policy(cli_config, has_draft=draft)) == _described(default_policy(api_config, has_draft=draft))
     # Without a draft the defaults decode plainly, with one they run auto.
     assert _described(default_policy(EngineConfig(), has_draft=False))[0] == "PlainPolicy"
     assert _described(default_policy(EngineConfig(), has_draft=True))[0] == "AutoPolicy"
+
+
+def test_background_compile_with_a_fixed_shape_is_refused():
+    from eagle_jax.cli import engine_config
+    from eagle_jax.errors import ConfigError
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--steps", "2", "--background-compile"])
+    with pytest.raises(ConfigError, match="never runs plain"):
+        engine_config(args, draft=True, batch=4, max_seq_len=64, longest=10)
 
 
 def test_unknown_spec_shape_is_a_start_up_error(tmp_path, capsys):
