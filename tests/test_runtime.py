@@ -3,11 +3,13 @@ the step table's cache sizing for the tree-attention kernel, batched prefill, re
 timing and the end of a streamed request."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
@@ -396,6 +398,60 @@ def test_prefix_attention_equals_dense_masked_attention(s_len, block):
         want = masked_attention(q, k_full, v_full, mask.dense(s_len), 0.3)
         got = prefix_attention(q, k_new, v_new, k_full, v_full, mask, 0.3, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def _cache_entries() -> set:
+    return set(Path(jax.config.jax_compilation_cache_dir).glob("*-cache"))
+
+
+def _prefill_first_token(table: StepTable) -> list[int]:
+    tokens = np.zeros((1, 8), np.int32)
+    tokens[0, :5] = [3, 9, 27, 81, 17]
+    _, first = table.prefill(table.device_put_rows(tokens), table.device_put_rows(np.array([5], np.int32)),
+                             table.sampling([SamplingParams()], 1))
+    return np.asarray(first).tolist()
+
+
+def test_a_corrupt_persistent_cache_entry_is_compiled_again_with_a_warning():
+    """Every executable a table wrote to the persistent cache is overwritten with junk: a
+    second table of the same configuration warns for each, compiles it again (no cache
+    hit counted), and computes what the first one did; nothing crashes."""
+    cfg = ModelConfig(vocab_size=101, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64)  # sizes no other test uses
+    target = LlamaModel(cfg)
+    kw = dict(shapes=(), batch_buckets=(1,), prompt_buckets=(8,), max_seq_len=16)
+    before = _cache_entries()
+    first = StepTable(target, None, **kw)
+    first.build()
+    written = _cache_entries() - before
+    assert len(written) >= first.report.graphs - first.report.cache_hits > 0
+    try:
+        for path in written:
+            path.write_bytes(b"not an executable")
+        second = StepTable(target, None, **kw)
+        with pytest.warns(UserWarning, match="Error reading persistent compilation cache entry"):
+            report = second.build()
+        assert report.cache_hits == 0
+        assert _prefill_first_token(second) == _prefill_first_token(first)
+    finally:  # JAX does not overwrite an entry it could not read: leave none for later tests
+        for path in written:
+            path.unlink(missing_ok=True)
+
+
+def test_another_model_shape_misses_the_persistent_cache():
+    """The cache is keyed by the graphs: a table over a target of other sizes compiles its
+    own (no hit), while one over the same sizes with other weights reads every graph back
+    (the weights are arguments, not constants, so the same executable serves both)."""
+    base = dict(vocab_size=103, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    kw = dict(shapes=(), batch_buckets=(1,), prompt_buckets=(8,), max_seq_len=16)
+    StepTable(LlamaModel(ModelConfig(**base)), None, **kw).build()
+    other_weights = StepTable(LlamaModel(ModelConfig(**base), rngs=nnx.Rngs(7)), None, **kw).build()
+    assert other_weights.cache_hits == other_weights.graphs
+    wider = StepTable(LlamaModel(ModelConfig(**{**base, "intermediate_size": 96})), None, **kw).build()
+    assert wider.cache_hits < wider.graphs
+    model_graphs = [t for t in wider.timings if t.name.startswith(("prefill", "plain"))]
+    assert model_graphs and not any(t.cache_hit for t in model_graphs)
 
 
 def test_build_report_splits_each_graph_and_counts_persistent_cache_hits():
