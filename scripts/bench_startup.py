@@ -43,7 +43,7 @@ SPEC_READY = re.compile(r"speculation ready ([\d.]+) s after start-up: (\d+) gra
 
 def run_once(args, mode: str, cache: Path, prompt_file: Path, out_jsonl: Path) -> dict:
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache / "jax"), EAGLE_JAX_CALIBRATION_DIR=str(cache / "calibration"))
-    cmd = [sys.executable, "-m", "eagle_jax.cli", "generate", "--prompt-file", str(prompt_file), "--output", str(out_jsonl),
+    cmd = [sys.executable, "-m", "eagle_jax.cli", "-v", "generate", "--prompt-file", str(prompt_file), "--output", str(out_jsonl),
            "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens)]
     if mode == "background":
         cmd.append("--background-compile")
@@ -53,10 +53,10 @@ def run_once(args, mode: str, cache: Path, prompt_file: Path, out_jsonl: Path) -
     if p.returncode != 0:
         raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
     log = p.stderr
-    ready = [m for m in READY.finditer(log)]
+    ready = list(READY.finditer(log))  # the engine-ready line first (a background report may follow)
     row: dict = {"wall_s": round(wall, 2)}
     if ready:
-        g, total, trace, lower, comp, hits, n = ready[-1].groups()
+        g, total, trace, lower, comp, hits, n = ready[0].groups()
         row["build"] = {"graphs": int(g), "seconds": float(total), "trace_s": float(trace), "lower_s": float(lower),
                         "compile_s": float(comp), "cache_hits": int(hits)}
     cal = CALIBRATED.search(log)
