@@ -144,6 +144,23 @@ def test_a_failed_background_compile_is_raised_from_every_step(target, draft, mo
     assert not engine.speculation_ready
 
 
+def test_a_failed_background_calibration_is_raised_from_step(target, draft, monkeypatch):
+    from eagle_jax.serving.policy import AutoPolicy
+
+    def broken(self, time_step, buckets):
+        raise RuntimeError("the calibration broke")
+
+    monkeypatch.setattr(AutoPolicy, "calibrate", broken)
+    config = dataclasses.replace(THRESHOLD, spec_policy="auto", spec_disable_batch_threshold=None, speculative=None,
+                                 spec_shapes=(SPEC,), calibration_cache=False)
+    engine = Engine(target, draft, config, progress=False)
+    engine.add_request(PROMPTS[0], _greedy())
+    with pytest.raises(RuntimeError, match="the calibration broke"):
+        engine.wait_for_speculation(timeout=300)
+    with pytest.raises(RuntimeError, match="the calibration broke"):
+        engine.step()
+
+
 def test_background_compile_needs_a_policy_that_runs_plain(target, draft):
     with pytest.raises(ConfigError, match="never runs plain"):
         EngineConfig(speculative=SPEC, spec_policy="fixed", background_compile=True)

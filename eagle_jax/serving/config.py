@@ -126,10 +126,10 @@ class EngineConfig:
       background_compile: compile the speculative steps in a background thread: the
         engine is returned once prefill and the plain steps are compiled, and serves
         plain steps (greedy-identical, the draft kept in sync) until the speculative
-        graphs exist; then, on the engine's thread between two steps, the policy
-        calibrates (from the calibration cache where it holds the timings) and
-        speculation starts (the start-up and "speculation ready" log lines say so). An
-        error there is raised from the next ``Engine.step()``. For a policy that can run
+        graphs exist; the same thread then calibrates the policy (from the calibration
+        cache where it holds the timings, else timed beside the running steps) and
+        speculation starts at the next step (the start-up and "speculation ready" log
+        lines say so). An error there is raised from the next ``Engine.step()``. For a policy that can run
         plain steps ("auto", "threshold"), in one process; no effect without a draft.
     """
 

@@ -32,9 +32,10 @@ prefill and the plain steps are compiled; a thread compiles the speculative step
 meanwhile (``StepTable.build_later``: it only adds graphs, the host loop never waits on
 it). Until they exist every step is plain, whatever the policy would choose, and the
 policy is neither asked nor shown the steps (it has no timings yet). Once they do, the
-engine's own thread calibrates the policy between two steps (``poll_background``, run at
-the start of every ``step()``) and speculation starts; an error in either is raised from
-``step()``, every time it is called, so a failed compile never goes unnoticed.
+same thread calibrates the policy (beside the running steps, not stalling them), and the
+engine's thread lets it speculate from its next step (``poll_background``, run at the
+start of every ``step()``); an error in either is raised from ``step()``, every time it
+is called, so a failed compile never goes unnoticed.
 
 Threads: the engine belongs to the one thread that calls ``step()``. Other threads reach
 it only through its inbox (``submit``, ``cancel_soon``: thread-safe), which that thread
@@ -135,9 +136,11 @@ class Engine:
             self.metrics.accepted_at_depth = np.zeros(max(s.num_steps for s in shapes), np.int64)
         self.scheduler = Scheduler(config.batch_buckets, config.prompt_buckets, config.max_batch, config.spec_hysteresis_steps)
         self.executor = Executor(self.table, self.metrics, config.batch_buckets[0])
-        self._calibration_for = built.calibration_for
         # Speculative graphs compiling in another thread (background_compile), or None.
-        self._background = _BackgroundCompile(self.table) if built.background else None
+        self._background = None
+        if built.background:
+            calibrate = functools.partial(_calibrate, self.policy, self.table, config, *built.calibration_for)
+            self._background = _BackgroundCompile(self.table, calibrate)
         self._proposer_rows = proposer_rows
         self._pending = None  # the launched step whose results are read next
         self._last_shape: SpeculativeConfig | None = None
@@ -292,10 +295,10 @@ class Engine:
         return self._background is None
 
     def poll_background(self) -> bool:
-        """On the engine's thread: once the background compile has finished, calibrate
-        the policy and let it speculate (or raise the compile's error); whether
-        speculation is ready. ``step()`` calls it first; an idle server loop calls it too,
-        so calibration does not wait for the next request."""
+        """On the engine's thread: once the background thread has compiled the
+        speculative steps and calibrated the policy, let the policy speculate (or raise
+        the error it met); whether speculation is ready. ``step()`` calls it first; an
+        idle server loop calls it too, so speculation does not wait for the next request."""
         bg = self._background
         if bg is None:
             return True
@@ -303,11 +306,10 @@ class Engine:
             return False
         if bg.error is not None:
             raise bg.error  # every call: the engine cannot speculate, and must not pretend to
-        line = _calibrate(self.policy, self.table, self.config, *self._calibration_for)
         self.metrics.compiles_at_ready = compile_count()
         self._background = None
-        log.info("eagle-jax speculation ready %.1f s after start-up: %s in the background%s", time.perf_counter() - bg.t0,
-                 bg.report.describe(), f"; {line}" if line else "")
+        log.info("eagle-jax speculation ready %.1f s after start-up: %s in the background%s", bg.ready_s,
+                 bg.report.describe(), f"; {bg.calibration}" if bg.calibration else "")
         return True
 
     def wait_for_speculation(self, timeout: float | None = None) -> bool:
@@ -500,23 +502,31 @@ class _Built:
     table: StepTable
     description: str
     background: bool  # the speculative graphs are left to a background compile
-    calibration_for: tuple  # (target, draft) as given: the calibration cache's key
+    calibration_for: tuple  # (target, draft) as given: the calibration cache's key (background calibration)
 
 
 class _BackgroundCompile:
-    """The speculative graphs ``StepTable.build_later`` compiles in a daemon thread;
-    ``done`` is set when it has finished, with ``report`` or the ``error`` it raised."""
+    """A daemon thread that compiles the speculative graphs (``StepTable.build_later``),
+    then calibrates the policy (``calibrate``: from the calibration cache, or timed here,
+    beside the steps the engine runs meanwhile, rather than stalling them); ``done`` is
+    set when it has finished, with ``report`` and the ``calibration`` line, or the
+    ``error`` it raised. Until ``done`` the engine neither asks nor shows the policy
+    anything, so the policy is this thread's alone."""
 
-    def __init__(self, table: StepTable):
+    def __init__(self, table: StepTable, calibrate: Callable[[], str | None]):
         self.t0 = time.perf_counter()
         self.report = None
+        self.calibration: str | None = None
+        self.ready_s = 0.0
         self.error: BaseException | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(table,), name="eagle-jax-compile", daemon=True).start()
+        threading.Thread(target=self._run, args=(table, calibrate), name="eagle-jax-compile", daemon=True).start()
 
-    def _run(self, table: StepTable) -> None:
+    def _run(self, table: StepTable, calibrate: Callable[[], str | None]) -> None:
         try:
             self.report = table.build_later()
+            self.calibration = calibrate()
+            self.ready_s = time.perf_counter() - self.t0
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, raised from step()
             e.add_note("eagle-jax: in the background compile (EngineConfig.background_compile); the engine "
                        "served plain steps until then")
@@ -595,8 +605,8 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
     report = table.build(progress, speculative_later=background)
     calibration = None if background else _calibrate(policy, table, config, target_path, draft_path)
     if background:
-        calibration = (f"{table.speculative_pending} speculative graphs compiling in the background: plain steps until "
-                       "they are ready, then the policy calibrates")
+        calibration = (f"{table.speculative_pending} speculative graphs compiling in the background, then the policy "
+                       "calibrates there: plain steps until both are done")
     features = f"; draft features {_feature_layers(target)}" if table.draft is not None else ""
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
