@@ -201,7 +201,7 @@ def test_default_candidates_are_pruned_by_the_cards_prior(tmp_path):
     from eagle_jax.serving.config import default_policy
 
     defaults = parse_shapes(DEFAULT_AUTO_SHAPES)
-    # Released v2's card: 0.52, 0.52*0.46 = 0.24, then 0.105 at depth 3 and 0.044 at depth 4.
+    # The v2 release's card: 0.52, 0.52*0.46 = 0.24, then 0.105 at depth 3 and 0.044 at depth 4.
     kept, pruned = prune_by_prior(defaults, [0.52, 0.46, 0.436, 0.416])
     assert [s.shape for s in kept] == ["chain S=1", "chain S=2", "chain S=3", "tree S=2 k=4 T=6", "tree S=3 k=4 T=8"]
     assert [s.shape for s in pruned] == ["chain S=4", "chain S=5", "tree S=4 k=4 T=12"]
