@@ -63,9 +63,9 @@ def gate(monkeypatch):
     event = threading.Event()
     original = StepTable.build_later
 
-    def held(self):
+    def held(self, stop=None):
         assert event.wait(120), "the test never opened the gate"
-        return original(self)
+        return original(self, stop)
 
     monkeypatch.setattr(StepTable, "build_later", held)
     return event
@@ -130,7 +130,7 @@ def test_auto_calibrates_once_ready(target, draft, reference, gate):
 
 
 def test_a_failed_background_compile_is_raised_from_every_step(target, draft, monkeypatch):
-    def boom(self):
+    def boom(self, stop=None):
         raise RuntimeError("no speculative graph for you")
 
     monkeypatch.setattr(StepTable, "build_later", boom)
@@ -159,6 +159,39 @@ def test_a_failed_background_calibration_is_raised_from_step(target, draft, monk
         engine.wait_for_speculation(timeout=300)
     with pytest.raises(RuntimeError, match="the calibration broke"):
         engine.step()
+
+
+EXIT_SCRIPT = """
+import sys
+from eagle_jax.checkpoint.draft_io import random_draft
+from eagle_jax.checkpoint.hf import load_model
+from eagle_jax.serving.engine import Engine, EngineConfig
+from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpeculativeConfig
+target = load_model(sys.argv[1])
+draft = random_draft(target.config, seed=2, draft_vocab_size=128)
+config = EngineConfig(max_batch=2, max_seq_len=64, prompt_buckets=(16,), speculative=SpeculativeConfig(num_steps=2),
+                      spec_disable_batch_threshold=2, background_compile=True)
+engine = Engine(target, draft, config, progress=False)
+out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+print("pending at exit:", engine.table.speculative_pending, "tokens:", out[0].token_ids, flush=True)
+"""
+
+
+def test_a_process_that_ends_mid_compile_exits_cleanly(tmp_path):
+    """A short run ends while the speculative graphs still compile: the exit hook stops the
+    thread between graphs and waits for the one in progress (a daemon thread left inside
+    XLA crashed the interpreter at exit with SIGSEGV in a short `generate`)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "target"
+    make_hf_model("llama3", seed=4).save_pretrained(path, safe_serialization=True)
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    p = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "pending at exit:" in p.stdout
 
 
 def test_background_compile_needs_a_policy_that_runs_plain(target, draft):

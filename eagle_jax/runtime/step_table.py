@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -515,14 +516,16 @@ class StepTable:
         self.report = self._compile(jobs, progress, "at start-up")
         return self.report
 
-    def build_later(self) -> BuildReport:
+    def build_later(self, stop: threading.Event | None = None) -> BuildReport | None:
         """Compile the graphs ``build(speculative_later=True)`` left out (any thread may
         call it while another runs the table's compiled graphs: it only adds graphs);
-        returns their report."""
+        returns their report, or None when ``stop`` was set before the last one (checked
+        between graphs: a compile in progress cannot be interrupted)."""
         if self.report is None:
             raise CompileAfterBuildError("build_later() before build(): nothing was compiled yet")
-        report = self._compile(self._later, False, "in the background")
-        self._later = []
+        report = self._compile(self._later, False, "in the background", stop)
+        if report is not None:
+            self._later = []
         return report
 
     @property
@@ -531,7 +534,7 @@ class StepTable:
         and that are not compiled yet."""
         return sum(key not in self._graphs for _, key, _ in self._later)
 
-    def _compile(self, jobs, progress: bool, when: str) -> BuildReport:
+    def _compile(self, jobs, progress: bool, when: str, stop: threading.Event | None = None) -> BuildReport | None:
         t0 = time.perf_counter()
         timings = []
 
@@ -558,6 +561,8 @@ class StepTable:
                     bar.advance(task)
         else:
             for name, key, thunk in jobs:
+                if stop is not None and stop.is_set():
+                    return None
                 run(name, key, thunk)
         temps, code = [0], 0
         for _, key, _ in jobs:

@@ -48,6 +48,7 @@ token (``EngineConfig.draft_sync``), so switching back loses no acceptance.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import functools
@@ -308,6 +309,7 @@ class Engine:
             raise bg.error  # every call: the engine cannot speculate, and must not pretend to
         self.metrics.compiles_at_ready = compile_count()
         self._background = None
+        bg.shut_down()  # finished: only drops its exit hook
         log.info("eagle-jax speculation ready %.1f s after start-up: %s in the background%s", bg.ready_s,
                  bg.report.describe(), f"; {bg.calibration}" if bg.calibration else "")
         return True
@@ -520,11 +522,26 @@ class _BackgroundCompile:
         self.ready_s = 0.0
         self.error: BaseException | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(table, calibrate), name="eagle-jax-compile", daemon=True).start()
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(table, calibrate), name="eagle-jax-compile", daemon=True)
+        self._thread.start()
+        # A process that ends while XLA still compiles here crashed at exit (SIGSEGV, seen
+        # with a short `generate --background-compile`): at exit, stop between graphs and
+        # wait for the one in progress.
+        atexit.register(self.shut_down)
+
+    def shut_down(self) -> None:
+        self.stop.set()
+        self._thread.join()
+        atexit.unregister(self.shut_down)
 
     def _run(self, table: StepTable, calibrate: Callable[[], str | None]) -> None:
         try:
-            self.report = table.build_later()
+            self.report = table.build_later(self.stop)
+            if self.report is None:
+                raise ConfigError("the background compile was stopped (the process is exiting)")
+            if self.stop.is_set():
+                raise ConfigError("the background calibration was not started (the process is exiting)")
             self.calibration = calibrate()
             self.ready_s = time.perf_counter() - self.t0
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, raised from step()
