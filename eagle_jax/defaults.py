@@ -49,6 +49,11 @@ def enable_compilation_cache() -> None:
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))
+    # JAX keeps only graphs that took >= 1 s to compile by default: the engine's many small
+    # ones (row inserts, resizes, zeros, small prefill chunks) then compiled again at
+    # every start (50 of 89 graphs came back at batch 16). Keep them all, unless set.
+    if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def pow2_at_least(n: int) -> int:
