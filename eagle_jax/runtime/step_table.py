@@ -550,20 +550,20 @@ class StepTable:
             log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
                       *split[:3], ", from the persistent cache" if split[3] else "")
 
-        if progress:
-            from rich.progress import Progress
+        import contextlib
 
-            with Progress(transient=True) as bar:
-                task = bar.add_task("compiling", total=len(jobs))
-                for name, key, thunk in jobs:
-                    bar.update(task, description=f"compiling {name}")
-                    run(name, key, thunk)
-                    bar.advance(task)
-        else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) if progress else contextlib.nullcontext() as bar:
+            task = bar.add_task("compiling", total=len(jobs)) if bar is not None else None
             for name, key, thunk in jobs:
                 if stop is not None and stop.is_set():
                     return None
+                if bar is not None:
+                    bar.update(task, description=f"compiling {name}")
                 run(name, key, thunk)
+                if bar is not None:
+                    bar.advance(task)
         temps, code = [0], 0
         for _, key, _ in jobs:
             try:

@@ -129,8 +129,9 @@ class EngineConfig:
         graphs exist; the same thread then calibrates the policy (from the calibration
         cache where it holds the timings, else timed beside the running steps) and
         speculation starts at the next step (the start-up and "speculation ready" log
-        lines say so). An error there is raised from the next ``Engine.step()``. For a policy that can run
-        plain steps ("auto", "threshold"), in one process; no effect without a draft.
+        lines say so). An error there is raised from the next ``Engine.step()``. For a
+        policy that can run plain steps ("auto", "threshold"), in one process; no effect
+        without a draft.
     """
 
     max_batch: int = 8

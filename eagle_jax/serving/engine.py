@@ -403,7 +403,7 @@ class Engine:
 
     def _choose(self, b: int) -> SpeculativeConfig | None:
         # Plain until the speculative graphs are compiled (background_compile).
-        shape = self.policy.choose(b) if self._background is None else None
+        shape = self.policy.choose(b) if self.speculation_ready else None
         if shape is None and not self.table.plain:
             raise ConfigError(f"policy {type(self.policy).__name__} chose the plain step but says runs_plain=False")
         if shape is not None and shape not in self.table.shapes:
@@ -469,7 +469,7 @@ class Engine:
                     break
         # A policy not yet calibrated (background_compile) has nothing to learn from: it
         # did not choose the step, and its timing model does not exist yet.
-        ready = self._background is None
+        ready = self.speculation_ready
         if ready:
             self.policy.observe(r.bucket, r.shape, np.asarray(live_acc, np.int64), r.step_s)
         if r.step_s is not None:
@@ -620,10 +620,11 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
         # collectives would wait on each other for good.
         raise ConfigError("background_compile runs in one process: across processes every step must be the same graph")
     report = table.build(progress, speculative_later=background)
-    calibration = None if background else _calibrate(policy, table, config, target_path, draft_path)
     if background:
         calibration = (f"{table.speculative_pending} speculative graphs compiling in the background, then the policy "
                        "calibrates there: plain steps until both are done")
+    else:
+        calibration = _calibrate(policy, table, config, target_path, draft_path)
     features = f"; draft features {_feature_layers(target)}" if table.draft is not None else ""
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
