@@ -46,7 +46,10 @@ def enable_compilation_cache() -> None:
     """Reuse compiled graphs across runs (start-up compiles every bucket)."""
     import jax
 
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # A directory already set (JAX_COMPILATION_CACHE_DIR, or a program or test session
+    # that configured JAX) is kept: JAX opens its cache once per process, so moving the
+    # setting afterwards would only make it name a directory nothing is written to.
+    if not jax.config.jax_compilation_cache_dir:
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         jax.config.update("jax_compilation_cache_dir", str(base / "eagle-jax" / "jax"))
     # JAX keeps only graphs that took >= 1 s to compile by default: the engine's many small

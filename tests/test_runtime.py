@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from eagle_jax.defaults import enable_compilation_cache
 from eagle_jax.checkpoint.draft_io import random_draft
 from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.models.config import ModelConfig
@@ -410,6 +411,17 @@ def _prefill_first_token(table: StepTable) -> list[int]:
     _, first = table.prefill(table.device_put_rows(tokens), table.device_put_rows(np.array([5], np.int32)),
                              table.sampling([SamplingParams()], 1))
     return np.asarray(first).tolist()
+
+
+def test_enable_compilation_cache_keeps_a_directory_already_configured(monkeypatch):
+    """The CLI's enable_compilation_cache leaves a configured cache directory alone (here the
+    test session's): JAX opens its cache once per process, so a moved setting would name a
+    directory nothing is written to (an in-process CLI test once did that to later tests)."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    configured = jax.config.jax_compilation_cache_dir
+    assert configured
+    enable_compilation_cache()
+    assert jax.config.jax_compilation_cache_dir == configured
 
 
 def test_a_corrupt_persistent_cache_entry_is_compiled_again_with_a_warning():
