@@ -59,6 +59,19 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def compile_workers() -> int:
+    """XLA compiles a step table runs at once at start-up: $EAGLE_JAX_COMPILE_WORKERS, else
+    one per core this process may use, up to four (each compile holds its own memory)."""
+    env = os.environ.get("EAGLE_JAX_COMPILE_WORKERS")
+    if env:
+        n = int(env)
+        if n < 1:
+            raise ValueError(f"EAGLE_JAX_COMPILE_WORKERS={env} must be >= 1")
+        return n
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores))
+
+
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

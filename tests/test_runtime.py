@@ -3,6 +3,7 @@ the step table's cache sizing for the tree-attention kernel, batched prefill, re
 timing and the end of a streamed request."""
 
 import json
+import threading
 from pathlib import Path
 
 import jax
@@ -21,7 +22,7 @@ from eagle_jax.serving.generate import Buckets, Generator
 from eagle_jax.models.llama import LlamaModel
 from eagle_jax.serving.policy import FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy
 from eagle_jax.serving.requests import RequestProgress
-from eagle_jax.runtime.step_table import StepTable
+from eagle_jax.runtime.step_table import StepTable, _GraphJob
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 from eagle_jax.models.registry import supported_architectures
@@ -482,3 +483,58 @@ def test_build_report_splits_each_graph_and_counts_persistent_cache_hits():
     assert second.cache_hits == second.graphs
     assert f"{second.graphs} of {second.graphs} from the persistent cache" in second.describe()
     assert second.slowest(2).count(" s (trace ") == 2
+
+
+def test_graphs_compiled_on_several_threads_compute_what_one_thread_compiles(monkeypatch):
+    """build(workers=3) traces in order on one thread and compiles on three: the report
+    lists every graph in order, each with its own split, and the table computes what a
+    table built one graph at a time does (prefill and the plain step)."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64)  # sizes no other test uses
+    target = LlamaModel(cfg)
+    kw = dict(shapes=(), batch_buckets=(1, 2), prompt_buckets=(8,), max_seq_len=16)
+    serial, parallel = StepTable(target, None, **kw), StepTable(target, None, **kw)
+    threads = set()
+    compile_ = _GraphJob.compile
+
+    def spy(lowered):
+        threads.add(threading.current_thread().name)
+        return compile_(lowered)
+
+    monkeypatch.setattr(_GraphJob, "compile", staticmethod(spy))
+    one = serial.build(workers=1)
+    threads_one, threads = threads, set()
+    three = parallel.build(workers=3)
+    assert len(threads_one) == 1 and len(threads) > 1  # the pool's threads, not only one
+    assert one.names == three.names and [t.name for t in three.timings] == three.names
+    assert set(parallel._graphs) == set(serial._graphs)
+    assert _prefill_first_token(parallel) == _prefill_first_token(serial)
+    state, samp = parallel.zeros(2), parallel.sampling([SamplingParams()] * 2, 2)
+    out_p = parallel.step(state, samp, None, greedy=True)
+    out_s = serial.step(serial.zeros(2), serial.sampling([SamplingParams()] * 2, 2), None, greedy=True)
+    np.testing.assert_array_equal(np.asarray(out_p[1]), np.asarray(out_s[1]))
+
+
+def test_a_compile_that_fails_on_a_worker_thread_is_raised_naming_its_graph(monkeypatch):
+    """An error in one of the concurrent compiles reaches build() with the graph named,
+    after the compiles in flight have finished; the table keeps no report (not built)."""
+    cfg = ModelConfig(vocab_size=89, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    table = StepTable(LlamaModel(cfg), None, shapes=(), batch_buckets=(1, 2), prompt_buckets=(8,), max_seq_len=16)
+    names = [name for name, _, _ in table._define()]
+    calls = []
+    compile_ = _GraphJob.compile
+
+    def third_fails(lowered):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("XLA ran out of something")
+        return compile_(lowered)
+
+    monkeypatch.setattr(_GraphJob, "compile", staticmethod(third_fails))
+    with pytest.raises(RuntimeError, match="XLA ran out of something") as info:
+        table.build(workers=2)
+    assert f"while compiling the {names[2]} graph at start-up" in "\n".join(info.value.__notes__)
+    assert table.report is None
+    keys = [key for _, key, _ in table._define()]
+    assert not any(key in table._graphs for key in keys[2:])  # nothing stored from the failed one on

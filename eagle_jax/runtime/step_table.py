@@ -105,14 +105,21 @@ class GraphTiming:
 
 
 class _CacheEvents:
-    """Counts JAX's persistent-cache hits (a monitoring event per executable read back)."""
+    """Counts JAX's persistent-cache hits (a monitoring event per executable read back),
+    per thread: the event fires in the thread that compiles, and graphs compile on
+    several threads at once (``StepTable._compile``)."""
 
-    hits = 0
+    _local = threading.local()
 
     @classmethod
     def on_event(cls, event: str, **_: Any) -> None:
         if event == "/jax/compilation_cache/cache_hits":
-            cls.hits += 1
+            cls._local.hits = cls.hits() + 1
+
+    @classmethod
+    def hits(cls) -> int:
+        """Hits seen so far on the calling thread."""
+        return getattr(cls._local, "hits", 0)
 
 
 jax.monitoring.register_event_listener(_CacheEvents.on_event)
@@ -128,6 +135,7 @@ class BuildReport:
     max_temp_bytes: int = 0
     code_bytes: int = 0
     timings: list[GraphTiming] = dataclasses.field(default_factory=list)
+    workers: int = 1  # compiles that ran at once (the compile seconds overlap when > 1)
 
     @property
     def cache_hits(self) -> int:
@@ -140,7 +148,8 @@ class BuildReport:
             split = (f": trace {phase(lambda t: t.trace_s):.1f} s, lower {phase(lambda t: t.lower_s):.1f} s, "
                      f"compile {phase(lambda t: t.compile_s):.1f} s; {self.cache_hits} of {len(self.timings)} "
                      f"from the persistent cache")
-        return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s{split} (largest scratch "
+        threads = f" on {self.workers} threads" if self.workers > 1 else ""
+        return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s{threads}{split} (largest scratch "
                 f"{self.max_temp_bytes / 2**20:.1f} MiB, code {self.code_bytes / 2**20:.1f} MiB)")
 
     def slowest(self, n: int = 5) -> str:
@@ -374,7 +383,7 @@ class StepTable:
         return self._bound.modules(params)
 
     def _define(self) -> list[tuple[str, tuple, Callable[[], Any]]]:
-        """(name, key, compile thunk) for every graph."""
+        """(name, key, ``_GraphJob``) for every graph."""
         jobs = []
         psh = self.param_shardings
         bsh, hsh = self._batch_sharding, self._host_sharding
@@ -383,7 +392,7 @@ class StepTable:
 
         for n in sorted(self._prefill_sizes() - set(self.batch_buckets)):
             _, sh = self._structs(n)
-            jobs.append((f"zeros batch {n}", ("zeros", n), self._thunk(lambda n=n: init_from_spec(self._specs[n]), (), sh, (), ())))
+            jobs.append((f"zeros batch {n}", ("zeros", n), self._job(lambda n=n: init_from_spec(self._specs[n]), (), sh, (), ())))
         for p in self.prompt_buckets:
             for n in self.prefill_batches[p]:
                 def prefill(params, state, tokens, start, lengths, next_tokens, samp):
@@ -395,12 +404,12 @@ class StepTable:
                 i1 = self._int_struct(n)
                 args = (self.params, st, self._int_struct(n, p), i1, i1, i1, self._samp_struct(n))
                 in_sh = (psh, sh, bsh(n, 2), bsh(n, 1), bsh(n, 1), bsh(n, 1), self._samp_shardings(n))
-                jobs.append((f"prefill chunk {n}x{p}", ("prefill", n, p), self._thunk(prefill, in_sh, (sh, hsh(n, 1)), (1,), args)))
+                jobs.append((f"prefill chunk {n}x{p}", ("prefill", n, p), self._job(prefill, in_sh, (sh, hsh(n, 1)), (1,), args)))
 
         for b in self.batch_buckets:
             st, sh = self._structs(b)
             jobs.append((f"zeros batch {b}", ("zeros", b),
-                         self._thunk(lambda b=b: init_from_spec(self._specs[b]), (), sh, (), ())))
+                         self._job(lambda b=b: init_from_spec(self._specs[b]), (), sh, (), ())))
             for n in sorted(self._prefill_sizes()):
                 if n > b:
                     continue
@@ -411,7 +420,7 @@ class StepTable:
                     return jax.tree.map(lambda s, r: s.at[rows].set(r.astype(s.dtype), mode="drop"), state, rows_state)
 
                 jobs.append((f"insert {n} into batch {b}", ("insert", b, n),
-                             self._thunk(insert, (sh, nsh, bsh(n, 1)), sh, (0,), (st, nst, self._int_struct(n)))))
+                             self._job(insert, (sh, nsh, bsh(n, 1)), sh, (0,), (st, nst, self._int_struct(n)))))
             for other in self.batch_buckets:
                 if other == b:
                     continue
@@ -421,7 +430,7 @@ class StepTable:
                     return jax.tree.map(lambda s: jnp.take(s, rows, axis=0), state)
 
                 jobs.append((f"resize {b}->{other}", ("gather", b, other),
-                             self._thunk(gather, (sh, bsh(other, 1)), osh, (), (st, self._int_struct(other)))))
+                             self._job(gather, (sh, bsh(other, 1)), osh, (), (st, self._int_struct(other)))))
             samp = self._samp_struct(b)
             # The proposer's per-row data (None without: no argument to pass).
             rows, rows_sh = (self._int_struct(b, width), bsh(b, 2)) if width else (None, None)
@@ -436,7 +445,7 @@ class StepTable:
                     rest_sh = dataclasses.replace(sh, draft_cache=None)
                     tree_sh = bsh(b, 2)
                     jobs.append((f"draft phase batch {b} {shape.shape}", ("draft", b, shape),
-                                 self._thunk(draft_phase, (psh, sh.draft_cache, rest_sh, self._samp_shardings(b), rows_sh),
+                                 self._job(draft_phase, (psh, sh.draft_cache, rest_sh, self._samp_shardings(b), rows_sh),
                                              (tree_sh, sh.draft_cache), (1,), (self.params, st.draft_cache, rest, samp, rows))))
                 for greedy in (True, False) if self.sampled else (True,):
                     how = "greedy" if greedy else "sampled"
@@ -448,7 +457,7 @@ class StepTable:
                             return plain_step_impl(t, d, state, samp, check_finite=self.check_finite, plan=self.plan, **kw)
 
                         jobs.append((f"plain step batch {b} {how}", ("step", b, None, greedy),
-                                     self._thunk(plain, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))
+                                     self._job(plain, (psh, sh, self._samp_shardings(b)), outs, (1,), (self.params, st, samp))))
                     elif self.time_phases:
                         def verify_phase(params, state, tree, samp, shape=shape, kw=kw):
                             t, d = self._modules(params)
@@ -457,7 +466,7 @@ class StepTable:
 
                         tree_struct = self._tree_struct(b, shape)
                         jobs.append((f"verify phase batch {b} {shape.shape} {how}", ("verify", b, shape, greedy),
-                                     self._thunk(verify_phase, (psh, sh, bsh(b, 2), self._samp_shardings(b)), outs, (1,),
+                                     self._job(verify_phase, (psh, sh, bsh(b, 2), self._samp_shardings(b)), outs, (1,),
                                                  (self.params, st, tree_struct, samp))))
                     else:
                         def spec_step(params, state, samp, rows, shape=shape, kw=kw):
@@ -467,7 +476,7 @@ class StepTable:
                                                          sync=self.draft_sync, **kw)
 
                         jobs.append((f"speculative step batch {b} {shape.shape} {how}", ("step", b, shape, greedy),
-                                     self._thunk(spec_step, (psh, sh, self._samp_shardings(b), rows_sh), outs, (1,),
+                                     self._job(spec_step, (psh, sh, self._samp_shardings(b), rows_sh), outs, (1,),
                                                  (self.params, st, samp, rows))))
         return jobs
 
@@ -479,28 +488,18 @@ class StepTable:
         s = self._int_struct(b, shape.num_draft_tokens)
         return Tree(tokens=s, parents=s, depths=s)
 
-    def _thunk(self, fn, in_sh, out_sh, donate, args):
-        def compile_(timing: list | None = None):
-            # Traced under the mesh (the parts that run under shard_map take it from the
-            # plan, ``self.plan.mesh``: the same mesh).
-            with jax.set_mesh(self.mesh):
-                t0 = time.perf_counter()
-                traced = self._jit(fn, in_sh, out_sh, donate).trace(*args)
-                t1 = time.perf_counter()
-                lowered = traced.lower()
-                t2 = time.perf_counter()
-                hits = _CacheEvents.hits
-                compiled = lowered.compile()
-                t3 = time.perf_counter()
-            if timing is not None:
-                timing.extend((t1 - t0, t2 - t1, t3 - t2, _CacheEvents.hits > hits))
-            return compiled
-        return compile_
+    def _job(self, fn, in_sh, out_sh, donate, args) -> "_GraphJob":
+        return _GraphJob(self, fn, in_sh, out_sh, donate, args)
 
     # -- build
 
-    def build(self, progress: bool = False, speculative_later: bool = False) -> BuildReport:
+    def build(self, progress: bool = False, speculative_later: bool = False, workers: int | None = None) -> BuildReport:
         """Compile every graph (once); returns how many and how long.
+
+        ``workers``: backend compiles that run at once (default
+        ``defaults.compile_workers()``, one per core up to four): this thread traces and
+        lowers each graph in turn (Python, one at a time) while XLA compiles the ones
+        before it on other threads, so a cold start uses every core.
 
         ``speculative_later``: compile everything but the speculative steps (and their
         draft and verify phases) now, and leave those to ``build_later`` (the engine's
@@ -513,17 +512,18 @@ class StepTable:
         if speculative_later:
             self._later = [j for j in jobs if _is_speculative(j[1])]
             jobs = [j for j in jobs if not _is_speculative(j[1])]
-        self.report = self._compile(jobs, progress, "at start-up")
+        self.report = self._compile(jobs, progress, "at start-up", workers=workers)
         return self.report
 
-    def build_later(self, stop: threading.Event | None = None) -> BuildReport | None:
+    def build_later(self, stop: threading.Event | None = None, workers: int = 1) -> BuildReport | None:
         """Compile the graphs ``build(speculative_later=True)`` left out (any thread may
         call it while another runs the table's compiled graphs: it only adds graphs);
         returns their report, or None when ``stop`` was set before the last one (checked
-        between graphs: a compile in progress cannot be interrupted)."""
+        between graphs: a compile in progress cannot be interrupted). One compile at a
+        time by default: the engine's steps keep the other cores."""
         if self.report is None:
             raise CompileAfterBuildError("build_later() before build(): nothing was compiled yet")
-        report = self._compile(self._later, False, "in the background", stop)
+        report = self._compile(self._later, False, "in the background", stop, workers=workers)
         if report is not None:
             self._later = []
         return report
@@ -534,36 +534,63 @@ class StepTable:
         and that are not compiled yet."""
         return sum(key not in self._graphs for _, key, _ in self._later)
 
-    def _compile(self, jobs, progress: bool, when: str, stop: threading.Event | None = None) -> BuildReport | None:
-        t0 = time.perf_counter()
-        timings = []
-
-        def run(name, key, thunk):
-            split = []
-            try:
-                graph = thunk(split)
-            except Exception as e:
-                e.add_note(f"eagle-jax: while compiling the {name} graph {when}")
-                raise
-            self._graphs[key] = graph  # one assignment: a reader on another thread sees it whole or not at all
-            timings.append(GraphTiming(name, *split))
-            log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
-                      *split[:3], ", from the persistent cache" if split[3] else "")
-
+    def _compile(self, jobs, progress: bool, when: str, stop: threading.Event | None = None,
+                 workers: int | None = None) -> BuildReport | None:
+        """Trace and lower ``jobs`` in order on this thread, compile them on ``workers``
+        threads (at most that many lowered graphs wait or compile at once, which bounds
+        memory); each graph is stored as its compile finishes, in order. ``stop`` is
+        checked before each graph is traced; the compiles in flight then finish."""
+        import collections
+        import concurrent.futures
         import contextlib
 
         from rich.progress import Progress
 
-        with Progress(transient=True) if progress else contextlib.nullcontext() as bar:
+        from eagle_jax.defaults import compile_workers
+
+        workers = compile_workers() if workers is None else int_in("workers", workers, 1, 64)
+        t0 = time.perf_counter()
+        timings = []
+        in_flight: collections.deque = collections.deque()
+
+        def noted(e: Exception, name: str) -> Exception:
+            e.add_note(f"eagle-jax: while compiling the {name} graph {when}")
+            return e
+
+        def finish(bar, task) -> None:
+            name, key, trace_s, lower_s, future = in_flight.popleft()
+            try:
+                graph, compile_s, hit = future.result()
+            except Exception as e:
+                raise noted(e, name)
+            self._graphs[key] = graph  # one assignment: a reader on another thread sees it whole or not at all
+            timings.append(GraphTiming(name, trace_s, lower_s, compile_s, hit))
+            log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
+                      trace_s, lower_s, compile_s, ", from the persistent cache" if hit else "")
+            if bar is not None:
+                bar.advance(task)
+
+        with (Progress(transient=True) if progress else contextlib.nullcontext()) as bar, \
+                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="eagle-jax-xla") as pool:
             task = bar.add_task("compiling", total=len(jobs)) if bar is not None else None
-            for name, key, thunk in jobs:
-                if stop is not None and stop.is_set():
-                    return None
-                if bar is not None:
-                    bar.update(task, description=f"compiling {name}")
-                run(name, key, thunk)
-                if bar is not None:
-                    bar.advance(task)
+            try:
+                for name, key, job in jobs:
+                    if stop is not None and stop.is_set():
+                        return None
+                    if bar is not None:
+                        bar.update(task, description=f"compiling {name}")
+                    try:
+                        lowered, trace_s, lower_s = job.lower()
+                    except Exception as e:
+                        raise noted(e, name)
+                    in_flight.append((name, key, trace_s, lower_s, pool.submit(job.compile, lowered)))
+                    while len(in_flight) >= workers:
+                        finish(bar, task)
+                while in_flight:
+                    finish(bar, task)
+            finally:  # an error or a stop: what was submitted finishes (or fails) before we go on
+                for *_, future in in_flight:
+                    future.cancel()
         temps, code = [0], 0
         for _, key, _ in jobs:
             try:
@@ -573,7 +600,8 @@ class StepTable:
             if m is not None:
                 temps.append(int(m.temp_size_in_bytes))
                 code += int(m.generated_code_size_in_bytes)
-        report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code, timings)
+        report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code, timings,
+                             workers)
         log.debug("slowest graphs: %s", report.slowest())
         return report
 
@@ -584,13 +612,13 @@ class StepTable:
         the host loop can ask for, which an engine needs and a step timing does not."""
         if key in self._graphs:
             return 0.0
-        jobs = {k: (name, thunk) for name, k, thunk in self._define()}
+        jobs = {k: (name, job) for name, k, job in self._define()}
         if key not in jobs:
             raise CompileAfterBuildError(f"graph {key} is not one this table defines")
-        name, thunk = jobs[key]
+        name, job = jobs[key]
         t0 = time.perf_counter()
         try:
-            self._graphs[key] = thunk()
+            self._graphs[key] = job.compile(job.lower()[0])[0]
         except Exception as e:
             e.add_note(f"eagle-jax: while compiling the {name} graph")
             raise
@@ -714,3 +742,32 @@ class StepTable:
     def sampling(self, params, b: int) -> SamplingArrays:
         s = SamplingArrays.build(params, b)
         return jax.device_put(s, self._samp_shardings(b))
+
+
+class _GraphJob:
+    """One graph of a step table, compiled in two halves: ``lower`` (trace and lower, in
+    Python: one thread at a time) and ``compile`` (XLA, or a read from the persistent
+    cache; any thread)."""
+
+    def __init__(self, table: StepTable, fn, in_sh, out_sh, donate, args):
+        self.table, self.fn, self.in_sh, self.out_sh, self.donate, self.args = table, fn, in_sh, out_sh, donate, args
+
+    def lower(self):
+        """(lowered, trace seconds, lower seconds)."""
+        # Traced under the mesh (the parts that run under shard_map take it from the
+        # plan, ``table.plan.mesh``: the same mesh).
+        with jax.set_mesh(self.table.mesh):
+            t0 = time.perf_counter()
+            traced = self.table._jit(self.fn, self.in_sh, self.out_sh, self.donate).trace(*self.args)
+            t1 = time.perf_counter()
+            lowered = traced.lower()
+            t2 = time.perf_counter()
+        return lowered, t1 - t0, t2 - t1
+
+    @staticmethod
+    def compile(lowered):
+        """(compiled, seconds, read from the persistent cache)."""
+        t0 = time.perf_counter()
+        hits = _CacheEvents.hits()
+        compiled = lowered.compile()
+        return compiled, time.perf_counter() - t0, _CacheEvents.hits() > hits
