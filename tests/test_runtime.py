@@ -4,6 +4,7 @@ timing and the end of a streamed request."""
 
 import json
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -425,10 +426,12 @@ def test_enable_compilation_cache_keeps_a_directory_already_configured(monkeypat
     assert jax.config.jax_compilation_cache_dir == configured
 
 
-def test_a_corrupt_persistent_cache_entry_is_compiled_again_with_a_warning():
+def test_a_corrupt_persistent_cache_entry_is_compiled_again_with_a_warning(monkeypatch):
     """Every executable a table wrote to the persistent cache is overwritten with junk: a
     second table of the same configuration warns for each, compiles it again (no cache
-    hit counted), and computes what the first one did; nothing crashes."""
+    hit counted), and computes what the first one did; nothing crashes. (JAX's cache
+    alone: the executable cache, read first, is off.)"""
+    monkeypatch.setenv("EAGLE_JAX_EXECUTABLE_CACHE", "off")
     cfg = ModelConfig(vocab_size=101, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64)  # sizes no other test uses
     target = LlamaModel(cfg)
@@ -467,10 +470,12 @@ def test_another_model_shape_misses_the_persistent_cache():
     assert model_graphs and not any(t.cache_hit for t in model_graphs)
 
 
-def test_build_report_splits_each_graph_and_counts_persistent_cache_hits():
+def test_build_report_splits_each_graph_and_counts_persistent_cache_hits(monkeypatch):
     """Every graph's start-up time is split into trace, lower and compile; a second table
     of the same configuration reads every executable back from the persistent cache (the
-    test session sets one up: conftest.py), counted by JAX's own cache-hit events."""
+    test session sets one up: conftest.py), counted by JAX's own cache-hit events. (JAX's
+    cache alone: the executable cache, read first, is off.)"""
+    monkeypatch.setenv("EAGLE_JAX_EXECUTABLE_CACHE", "off")
     cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
     target = LlamaModel(cfg)
@@ -481,7 +486,7 @@ def test_build_report_splits_each_graph_and_counts_persistent_cache_hits():
         assert [t.name for t in report.timings] == report.names
         assert all(t.trace_s >= 0 and t.lower_s > 0 and t.compile_s > 0 for t in report.timings)
     assert second.cache_hits == second.graphs
-    assert f"{second.graphs} of {second.graphs} from the persistent cache" in second.describe()
+    assert f"0 of {second.graphs} loaded untraced from the executable cache, {second.graphs} from JAX's persistent cache" in second.describe()
     assert second.slowest(2).count(" s (trace ") == 2
 
 
@@ -489,6 +494,7 @@ def test_graphs_compiled_on_several_threads_compute_what_one_thread_compiles(mon
     """build(workers=3) traces in order on one thread and compiles on three: the report
     lists every graph in order, each with its own split, and the table computes what a
     table built one graph at a time does (prefill and the plain step)."""
+    monkeypatch.setenv("EAGLE_JAX_EXECUTABLE_CACHE", "off")  # compiled, not loaded, by both tables
     cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64)  # sizes no other test uses
     target = LlamaModel(cfg)
@@ -518,6 +524,7 @@ def test_graphs_compiled_on_several_threads_compute_what_one_thread_compiles(mon
 def test_a_compile_that_fails_on_a_worker_thread_is_raised_naming_its_graph(monkeypatch):
     """An error in one of the concurrent compiles reaches build() with the graph named,
     after the compiles in flight have finished; the table keeps no report (not built)."""
+    monkeypatch.setenv("EAGLE_JAX_EXECUTABLE_CACHE", "off")
     cfg = ModelConfig(vocab_size=89, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
     table = StepTable(LlamaModel(cfg), None, shapes=(), batch_buckets=(1, 2), prompt_buckets=(8,), max_seq_len=16)
@@ -538,3 +545,93 @@ def test_a_compile_that_fails_on_a_worker_thread_is_raised_naming_its_graph(monk
     assert table.report is None
     keys = [key for _, key, _ in table._define()]
     assert not any(key in table._graphs for key in keys[2:])  # nothing stored from the failed one on
+
+
+def _exe_table(vocab: int, **over) -> StepTable:
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    # A context no other test uses (vocab - 20): the state-only graphs (zeros, insert,
+    # resize) do not depend on the vocabulary, and one JAX's cache already holds would
+    # not be stored (see runtime.executable_cache).
+    return StepTable(LlamaModel(cfg), None, **{**dict(shapes=(), batch_buckets=(1, 2), prompt_buckets=(8,),
+                                                      max_seq_len=vocab - 20), **over})
+
+
+def test_a_second_table_loads_every_graph_from_the_executable_cache_untraced():
+    """The executable cache (runtime.executable_cache, on wherever JAX's cache is: the test
+    session's here): a first table stores every graph; a second of the same configuration
+    loads every one without tracing or lowering (the report says so, graph by graph) and
+    computes what the first does; the start-up line counts them."""
+    first = _exe_table(83)
+    a = first.build()
+    assert first.executable_cache is not None and a.loaded == 0 and first.executable_cache.written == a.graphs
+    second = _exe_table(83)
+    b = second.build()
+    assert b.loaded == b.cache_hits == b.graphs
+    assert all(t.loaded and t.trace_s == 0 and t.lower_s == 0 for t in b.timings)
+    assert f"{b.graphs} of {b.graphs} loaded untraced from the executable cache" in b.describe()
+    assert _prefill_first_token(second) == _prefill_first_token(first)
+    outs = []
+    for table in (first, second):
+        out = table.step(table.zeros(2), table.sampling([SamplingParams()] * 2, 2), None, greedy=True)
+        outs.append(np.asarray(out[1]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("change", ["model", "versions", "sources", "shapes"])
+def test_a_changed_model_version_source_or_shape_misses_the_executable_cache(monkeypatch, change):
+    """What a graph depends on keys its cached executable: another model config, another
+    jax/jaxlib/flax version, a change to any source file, or another signature (a
+    different batch bucket) each miss, and the graphs are traced and compiled again."""
+    from eagle_jax.runtime import executable_cache
+
+    first = _exe_table(79).build()
+    if change == "versions":
+        monkeypatch.setattr(executable_cache, "_versions", lambda: {"jax": "0.0.0", "jaxlib": "0.0.0", "flax": "0"})
+    if change == "sources":
+        monkeypatch.setattr(executable_cache, "source_digest", lambda: "0" * 64)
+    again = (_exe_table(71) if change == "model" else
+             _exe_table(79, batch_buckets=(4,)) if change == "shapes" else _exe_table(79)).build()
+    changed = [t for t in again.timings if t.name not in first.names]  # batch 4's graphs
+    if change == "shapes":  # the batch-1 graphs both tables hold are the same programs: loaded
+        assert changed and {t.name for t in again.timings if t.loaded} == {t.name for t in again.timings} - {t.name for t in changed}
+    else:
+        assert again.loaded == 0 and not changed
+        changed = again.timings
+    assert not any(t.loaded for t in changed) and all(t.trace_s > 0 for t in changed)
+
+
+def test_an_unreadable_executable_cache_entry_is_compiled_again_with_a_warning():
+    """Every stored executable is overwritten with junk: the next table warns for each,
+    removes it, compiles it again (traced; JAX's own cache has it, so it is not stored
+    again), and computes what the first did; a later table does not warn again."""
+    first = _exe_table(73)
+    first.build()
+    files = sorted(first.executable_cache.dir.glob("*.exe"))
+    assert len(files) == first.report.graphs
+    for f in files:
+        f.write_bytes(b"not an executable")
+    second = _exe_table(73)
+    with pytest.warns(UserWarning, match="could not be loaded .* compiling it again"):
+        report = second.build()
+    assert report.loaded == 0 and all(t.trace_s > 0 for t in report.timings)
+    assert _prefill_first_token(second) == _prefill_first_token(first)
+    assert not any(f.exists() for f in files)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _exe_table(73).build()
+
+
+def test_the_executable_cache_is_off_on_request_and_keeps_to_its_size(monkeypatch):
+    """EAGLE_JAX_EXECUTABLE_CACHE=off: nothing is stored or loaded. Over the size limit the
+    least recently used tables are dropped, never the one just built."""
+    monkeypatch.setenv("EAGLE_JAX_EXECUTABLE_CACHE", "off")
+    off = _exe_table(67)
+    assert off.executable_cache is None and off.build().loaded == 0
+    monkeypatch.delenv("EAGLE_JAX_EXECUTABLE_CACHE")
+    older = _exe_table(61)
+    older.build()
+    monkeypatch.setenv("EAGLE_JAX_EXECUTABLE_CACHE_MB", "0")
+    newest = _exe_table(59)
+    newest.build()
+    assert not older.executable_cache.dir.exists() and newest.executable_cache.dir.is_dir()

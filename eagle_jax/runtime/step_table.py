@@ -64,6 +64,7 @@ from eagle_jax.spec.steps import (
     state_spec,
     verify_phase_impl,
 )
+from eagle_jax.runtime.executable_cache import ExecutableCache, describe_tree
 from eagle_jax.runtime.plan import resolve_plan
 from eagle_jax.runtime.sharding import DRAFT_SHARDINGS, check_draft_sharding  # noqa: F401  (DRAFT_SHARDINGS re-exported)
 from eagle_jax.runtime.sharding import batch_rules, describe_mesh, model_axis_rules, replicated_rules, spans_processes
@@ -98,6 +99,9 @@ class GraphTiming:
     lower_s: float
     compile_s: float
     cache_hit: bool
+    # Read from the eagle-jax executable cache (``runtime.executable_cache``): not traced
+    # nor lowered (cache_hit is set too).
+    loaded: bool = False
 
     @property
     def total_s(self) -> float:
@@ -139,15 +143,22 @@ class BuildReport:
 
     @property
     def cache_hits(self) -> int:
+        """Graphs read back from a cache (JAX's persistent cache or the executable cache)."""
         return sum(t.cache_hit for t in self.timings)
+
+    @property
+    def loaded(self) -> int:
+        """Graphs read back from the executable cache, without tracing or lowering."""
+        return sum(t.loaded for t in self.timings)
 
     def describe(self) -> str:
         split = ""
         if self.timings:
             phase = lambda f: sum(f(t) for t in self.timings)  # noqa: E731
             split = (f": trace {phase(lambda t: t.trace_s):.1f} s, lower {phase(lambda t: t.lower_s):.1f} s, "
-                     f"compile {phase(lambda t: t.compile_s):.1f} s; {self.cache_hits} of {len(self.timings)} "
-                     f"from the persistent cache")
+                     f"compile or load {phase(lambda t: t.compile_s):.1f} s; {self.loaded} of {len(self.timings)} "
+                     f"loaded untraced from the executable cache, {self.cache_hits - self.loaded} from JAX's "
+                     f"persistent cache")
         threads = f" on {self.workers} threads" if self.workers > 1 else ""
         return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s{threads}{split} (largest scratch "
                 f"{self.max_temp_bytes / 2**20:.1f} MiB, code {self.code_bytes / 2**20:.1f} MiB)")
@@ -155,8 +166,9 @@ class BuildReport:
     def slowest(self, n: int = 5) -> str:
         """The ``n`` graphs that took longest, with their split (for a debug log)."""
         top = sorted(self.timings, key=lambda t: -t.total_s)[:n]
+        how = lambda t: ", loaded" if t.loaded else ", cached" if t.cache_hit else ""  # noqa: E731
         return "; ".join(f"{t.name} {t.total_s:.1f} s (trace {t.trace_s:.1f}, lower {t.lower_s:.1f}, "
-                         f"compile {t.compile_s:.1f}{', cached' if t.cache_hit else ''})" for t in top)
+                         f"compile {t.compile_s:.1f}{how(t)})" for t in top)
 
 
 def _is_speculative(key: tuple) -> bool:
@@ -269,9 +281,30 @@ class StepTable:
         self.params = jax.device_put(self._bound.params, self.param_shardings)
         self._specs = {b: self._state_spec(b) for b in set(self.batch_buckets) | self._prefill_sizes()}
         self._graphs: dict[tuple, Any] = {}
+        # Executables kept across runs, looked up before tracing (off across processes:
+        # each would load its own, and one that misses would trace collectives alone).
+        self.executable_cache = None if self.multi_process else ExecutableCache.for_manifest(self._manifest())
         self.report: BuildReport | None = None
         # Speculative graphs left to build_later (build(speculative_later=True)).
         self._later: list[tuple[str, tuple, Callable]] = []
+
+    def _manifest(self) -> dict:
+        """What every graph of this table depends on besides its own signature (the
+        executable cache's key, with the sources and versions it adds)."""
+        import os
+
+        kind = lambda m: f"{type(m).__module__}.{type(m).__qualname__}" if m is not None else None  # noqa: E731
+        return {
+            "target": kind(self.target), "target_config": repr(self.target.config),
+            "draft": kind(self.draft), "draft_config": repr(self.draft.config) if self.draft is not None else None,
+            "plan": repr(self.plan), "kernel_impl": self.kernel_impl, "check_finite": self.check_finite,
+            "time_phases": self.time_phases, "proposer": f"{kind(self.proposer)}:{self.proposer.describe()}",
+            "draft_sync": repr(self.draft_sync), "max_seq_len": self.max_seq_len, "cache_align": self.cache_align,
+            "plain": self.plain, "sampled": self.sampled, "draft_sharding": self.draft_sharding,
+            "rules": repr(self.rules), "draft_rules": repr(self.draft_rules),
+            "mesh": [self.mesh.axis_names, dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat]],
+            "cpu_matmul": os.environ.get("EAGLE_JAX_CPU_MATMUL", ""),
+        }
 
     # -- shapes and shardings
 
@@ -536,10 +569,11 @@ class StepTable:
 
     def _compile(self, jobs, progress: bool, when: str, stop: threading.Event | None = None,
                  workers: int | None = None) -> BuildReport | None:
-        """Trace and lower ``jobs`` in order on this thread, compile them on ``workers``
-        threads (at most that many lowered graphs wait or compile at once, which bounds
-        memory); each graph is stored as its compile finishes, in order. ``stop`` is
-        checked before each graph is traced; the compiles in flight then finish."""
+        """Build ``jobs``: each graph in the executable cache is loaded on a worker thread;
+        the others are traced and lowered in order on this thread and compiled (then
+        stored in the cache) on ``workers`` threads. At most ``workers`` graphs wait or
+        compile at once, which bounds memory; each is stored in the table as it finishes,
+        in order. ``stop`` is checked before each graph; the ones in flight then finish."""
         import collections
         import concurrent.futures
         import contextlib
@@ -549,6 +583,7 @@ class StepTable:
         from eagle_jax.defaults import compile_workers
 
         workers = compile_workers() if workers is None else int_in("workers", workers, 1, 64)
+        cache = self.executable_cache
         t0 = time.perf_counter()
         timings = []
         in_flight: collections.deque = collections.deque()
@@ -557,16 +592,40 @@ class StepTable:
             e.add_note(f"eagle-jax: while compiling the {name} graph {when}")
             return e
 
-        def finish(bar, task) -> None:
-            name, key, trace_s, lower_s, future = in_flight.popleft()
+        def compile_and_store(job, lowered, exe_key, name):
+            graph, seconds, hit = job.compile(lowered)
+            # Only what XLA compiled here: an executable JAX read back from its own cache
+            # serializes without its kernels on XLA:CPU (the loaded copy then fails with
+            # "Function ... not found"), so it is left to the next cold compile.
+            if exe_key is not None and not hit:
+                cache.store(exe_key, graph, name)
+            return graph, seconds, hit, False
+
+        def load(exe_key, name):
+            t = time.perf_counter()
+            graph = cache.load(exe_key, name)
+            return graph, time.perf_counter() - t, graph is not None, graph is not None
+
+        def lowered(name, job):
             try:
-                graph, compile_s, hit = future.result()
+                return job.lower()
+            except Exception as e:
+                raise noted(e, name)
+
+        def finish(bar, task) -> None:
+            name, key, job, exe_key, trace_s, lower_s, future = in_flight.popleft()
+            try:
+                graph, compile_s, hit, loaded = future.result()
+                if graph is None:  # an unreadable cache entry (warned): compile it here
+                    low, trace_s, lower_s = lowered(name, job)
+                    graph, compile_s, hit, loaded = compile_and_store(job, low, exe_key, name)
             except Exception as e:
                 raise noted(e, name)
             self._graphs[key] = graph  # one assignment: a reader on another thread sees it whole or not at all
-            timings.append(GraphTiming(name, trace_s, lower_s, compile_s, hit))
+            timings.append(GraphTiming(name, trace_s, lower_s, compile_s, hit, loaded))
             log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
-                      trace_s, lower_s, compile_s, ", from the persistent cache" if hit else "")
+                      trace_s, lower_s, compile_s,
+                      ", loaded from the executable cache" if loaded else ", from the persistent cache" if hit else "")
             if bar is not None:
                 bar.advance(task)
 
@@ -579,11 +638,13 @@ class StepTable:
                         return None
                     if bar is not None:
                         bar.update(task, description=f"compiling {name}")
-                    try:
-                        lowered, trace_s, lower_s = job.lower()
-                    except Exception as e:
-                        raise noted(e, name)
-                    in_flight.append((name, key, trace_s, lower_s, pool.submit(job.compile, lowered)))
+                    exe_key = cache.key(key, job.signature()) if cache is not None else None
+                    if exe_key is not None and cache.has(exe_key):
+                        in_flight.append((name, key, job, exe_key, 0.0, 0.0, pool.submit(load, exe_key, name)))
+                    else:
+                        low, trace_s, lower_s = lowered(name, job)
+                        in_flight.append((name, key, job, exe_key, trace_s, lower_s,
+                                          pool.submit(compile_and_store, job, low, exe_key, name)))
                     while len(in_flight) >= workers:
                         finish(bar, task)
                 while in_flight:
@@ -591,6 +652,10 @@ class StepTable:
             finally:  # an error or a stop: what was submitted finishes (or fails) before we go on
                 for *_, future in in_flight:
                     future.cancel()
+        if cache is not None:
+            cache.touch()
+            for gone in cache.prune():
+                log.info("executable cache: dropped %s (least recently used, over the size limit)", gone)
         temps, code = [0], 0
         for _, key, _ in jobs:
             try:
@@ -751,6 +816,12 @@ class _GraphJob:
 
     def __init__(self, table: StepTable, fn, in_sh, out_sh, donate, args):
         self.table, self.fn, self.in_sh, self.out_sh, self.donate, self.args = table, fn, in_sh, out_sh, donate, args
+
+    def signature(self) -> str:
+        """What the graph's program depends on besides the table's manifest: its
+        arguments' shapes, dtypes and shardings, its in and out shardings, its donation
+        (the executable cache's per-graph key)."""
+        return f"{describe_tree(self.args)}\0{self.in_sh!r}\0{self.out_sh!r}\0{self.donate!r}"
 
     def lower(self):
         """(lowered, trace seconds, lower seconds)."""
