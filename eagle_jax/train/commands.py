@@ -111,6 +111,10 @@ def add_parsers(sub) -> None:
                    help="leave out the first K usable training prompts (those an earlier draft trained on), so a "
                         "continued draft (--init-from) learns from new ones; --train-prompts N then takes the N after "
                         "them (default 0)")
+    d.add_argument("--answered-only", action="store_true",
+                   help="with --answers and --out: features for the prompts the store has answered among those "
+                        "selected, and generate none (a run whose answering was cut off by a time limit, e.g. "
+                        "scripts/device/draft_pipeline.sh)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
     d.add_argument("--max-seq-len", type=_positive_int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"context of prompt + answer (default {DEFAULT_MAX_SEQ_LEN}); prompts longer than "
@@ -520,6 +524,8 @@ def cmd_draft_data(args) -> int:
         args.shard_tokens = DEFAULT_SHARD_TOKENS
     if args.answers is not None and args.prompt_file is None:
         raise InputError("--answers stores answers by their record in a prompt file: it needs --prompt-file")
+    if args.answered_only and (args.answers is None or args.out is None):
+        raise InputError("--answered-only computes features from an answer store: it needs --answers DIR and --out DATA")
     model_dir = _model_dir(args)
     out = args.out
     tok = Tokenizer.from_dir(model_dir)
@@ -534,6 +540,8 @@ def cmd_draft_data(args) -> int:
         "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len,
         "sampled_fraction": args.sampled_fraction, "temperature": args.temperature, "seed": args.seed,
     }
+    if args.answered_only:  # which prompts it holds then depends on the store: another data set
+        identity["answered_only"] = True
     resumed = out is not None and _check_out_dir(out, identity) is not None
     for name, sp in splits.items():
         if sp.skipped:
@@ -566,6 +574,13 @@ def cmd_draft_data(args) -> int:
             if stores:
                 # The store may hold more (another run's --train-prompts): only this run's prompts count.
                 answered[split] = _stored_answers(stores[split][0], sp, args.temperature)
+                if args.answered_only:
+                    keep = [k for k, (rid, _) in enumerate(sp.requests) if id_key(rid) in answered[split]]
+                    if not keep:
+                        raise InputError(f"--answered-only: {stores[split][0].path} answers none of this run's {split} prompts")
+                    print(f"{split}: --answered-only, {len(keep)} of {len(sp.requests)} selected prompts answered",
+                          file=sys.stderr)
+                    sp.requests, sp.indexes = [sp.requests[k] for k in keep], [sp.indexes[k] for k in keep]
             else:
                 path = out / files[split]
                 answered[split], torn = read_answered(path, vocab)

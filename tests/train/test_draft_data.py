@@ -579,3 +579,33 @@ def test_growing_train_prompts_into_a_store(tiny_dir, gz_prompts, answer_store, 
     assert _store_answers(store / "train") == _store_answers(answer_store / "train")
     assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--train-prompts", "5")) == 0
     assert "train: resuming, 5 of 5 prompts already answered" in capsys.readouterr().err
+
+
+def test_answered_only_computes_features_for_the_stored_answers_and_generates_none(tiny_dir, gz_prompts, answer_store,
+                                                                                  tmp_path, monkeypatch, capsys):
+    """--answered-only (a device run whose answering was cut off): features for the
+    selected prompts the store answers, none generated; the conversations are exactly
+    the stored ones, in prompt order; it needs --answers and --out."""
+    import shutil
+
+    store = tmp_path / "answers"
+    shutil.copytree(answer_store, store)
+    m = json.loads((store / "train" / "manifest.json").read_text())
+    # A store that holds only some prompts: keep its first shard (drop the rest from the manifest).
+    first = m["shards"][0]
+    m.update(shards=[first], answers=first["answers"], response_tokens=first["tokens"])
+    for s in (store / "train").glob("shard-*.npz"):
+        if s.name != first["file"]:
+            s.unlink()
+    (store / "train" / "manifest.json").write_text(json.dumps(m))
+    _no_generation(monkeypatch)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--out", out, "--answered-only")) == 0
+    err = capsys.readouterr().err
+    assert f"train: --answered-only, {first['answers']} of 42 selected prompts answered" in err
+    convs = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert len(convs) == first["answers"] == len(FeatureSet.load(out / "train"))
+    assert json.loads((out / "manifest.json").read_text())["answered_only"] is True
+    with pytest.raises(InputError, match="--answered-only .* needs --answers DIR and --out DATA"):
+        draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--answered-only"))
