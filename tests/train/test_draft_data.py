@@ -4,6 +4,7 @@ resume with other inputs, and the streamed, resumable feature files."""
 
 import json
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -609,3 +610,61 @@ def test_answered_only_computes_features_for_the_stored_answers_and_generates_no
     assert json.loads((out / "manifest.json").read_text())["answered_only"] is True
     with pytest.raises(InputError, match="--answered-only .* needs --answers DIR and --out DATA"):
         draft_data(*_answers_argv(tiny_dir, *gz_prompts, store, "--answered-only"))
+
+
+@pytest.mark.slow
+def test_the_device_draft_pipeline_dry_run(tiny_dir, gz_prompts, answer_store, tmp_path):
+    """scripts/device/draft_pipeline.sh at tiny scale on the CPU, as the device runs it (a
+    subprocess, $OUT): the store copy lacks most answers; the call fills it, computes
+    features, trains a draft, and returns pipeline.json, the new shards as a tar that
+    untars into a store equal to one run whole, and the draft in parts that join into a
+    loadable draft directory."""
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+
+    repo = Path(__file__).resolve().parents[2]
+    store = tmp_path / "answers"
+    shutil.copytree(answer_store, store)
+    m = json.loads((store / "train" / "manifest.json").read_text())
+    first = m["shards"][0]  # keep the first shard only: the pipeline answers the rest
+    m.update(shards=[first], answers=first["answers"], response_tokens=first["tokens"])
+    for s in (store / "train").glob("shard-*.npz"):
+        if s.name != first["file"]:
+            s.unlink()
+    (store / "train" / "manifest.json").write_text(json.dumps(m))
+    out = tmp_path / "out"
+    train, held = gz_prompts
+    cmd = ["bash", str(repo / "scripts/device/draft_pipeline.sh"), "--dry-run", "--model", str(tiny_dir),
+           "--answers", str(store), "--prompt-file", str(train), "--eval-prompt-file", str(held), "--eval-prompts", "3",
+           "--settings", "--max-new-tokens 16 --max-seq-len 160 --sampled-fraction 0.5", "--answer-batch", "2",
+           "--init-from", "", "--train-args", "--draft-vocab 150 --ttt-length 2 --epochs 2 --batch-size 8 --lr 3e-3 "
+           "--warmup-steps 1 --eval-every 4",
+           "--answer-s", "240", "--features-s", "240", "--train-s", "240", "--total-s", "900", "--work", str(tmp_path / "work")]
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    log = (out / "pipeline.log").read_text() if (out / "pipeline.log").exists() else ""
+    assert r.returncode == 0, r.stderr[-3000:] + log[-3000:]
+    rec = json.loads((out / "pipeline.json").read_text())
+    assert rec["dry_run"] and set(rec["phases"]) == {"answers", "features", "train"}
+    assert all(ph["exit"] == 0 and not ph["cut_off_at_limit"] for ph in rec["phases"].values())
+    whole = json.loads((answer_store / "train" / "manifest.json").read_text())
+    assert rec["answers_before"]["answers"] == first["answers"]
+    assert rec["answers_after"]["answers"] == whole["answers"] == 42
+    assert rec["answers_new"]["answers"] == 42 - first["answers"] > 0
+    assert rec["held_out"]["last"]["acc"] and rec["held_out"]["last"]["step"] > 0
+    # The new shards untar into a fresh copy of the store it started from: every answer there.
+    with tarfile.open(out / "answers-new.tar") as tar:
+        names = tar.getnames()
+        assert "train/manifest.json" in names and first["file"] not in {Path(n).name for n in names}
+    assert _store_answers(store / "train") == _store_answers(answer_store / "train")
+    # The draft, joined from its parts.
+    parts = sorted(out.glob("draft.tar.part-*"))
+    assert parts and len(list(out.iterdir())) <= 8  # what a device call can return
+    joined = tmp_path / "draft.tar"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    cfg = json.loads((tmp_path / "back" / "draft" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 150 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
