@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="where everything goes ($OUT)")
     p.add_argument("--prepare-gguf", type=Path, metavar="GGUF", help="(here, before the calls) cut GGUF into --gguf-parts")
-    p.add_argument("--part-mb", type=int, default=30)
+    p.add_argument("--part-mb", type=int, default=32, help="MiB a part (32: three parts, each under the 64 MiB a call carries with the working tree)")
     p.add_argument("--model", type=Path, default=None, help="target directory (default: imported from --gguf-parts)")
     p.add_argument("--gguf-parts", type=Path, default=REPO / ".cache" / "device" / "gguf")
     p.add_argument("--answers", type=Path, default=REPO / "data" / "draft-answers" / "smollm2-135m-instruct")
