@@ -117,10 +117,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-speculation", action="store_true", help="plain decoding even when a draft is available")
     g.add_argument("--spec-disable-batch-threshold", type=int, default=None, metavar="N",
                    help="threshold policy: switch speculation off while the padded batch is larger than N")
-    g.add_argument("--background-compile", action="store_true",
+    g.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="start serving with plain steps once they are compiled, and compile the speculative steps "
                         "in a background thread; the policy calibrates and speculation starts when they are ready "
-                        "(auto and threshold policies; the output is the same)")
+                        "(auto and threshold policies; the output is the same). Default: on for serve under auto or "
+                        "threshold (a server answers at once), off for generate")
     g.add_argument("--time-phases", action="store_true",
                    help="run each speculative step as its draft and verify graphs, timed apart (slower: a measuring "
                         "mode), and print draft/verify ms per step")
@@ -209,7 +210,8 @@ def _policy_lines(summary: dict) -> list[str]:
     return lines
 
 
-def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: int, sampled: bool | None = None):
+def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: int, sampled: bool | None = None,
+                  background_default: bool = False):
     """The ``EngineConfig`` the engine flags mean, for a run with or without a draft.
     ``EngineConfig``'s own defaults are the flags' defaults (tests/cli/test_cli.py checks
     both give the same policy and shapes), so this only passes on what the flags set.
@@ -237,7 +239,10 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
         mesh=args.mesh,
         draft_sharding=args.draft_sharding,
         draft_sync=args.draft_sync,
-        background_compile=args.background_compile,
+        # Unset: on where the command asks for it (serve) and the policy runs plain steps to
+        # serve meanwhile; a fixed shape never does, so there the flag alone turns it on.
+        background_compile=(args.background_compile if args.background_compile is not None
+                            else background_default and policy in ("auto", "threshold")),
     )
 
 
@@ -274,7 +279,7 @@ def serve_engine(args):
     # default chunk (longer prompts go in several); requests choose their own
     # temperature, so the sampling steps are compiled too.
     config = engine_config(args, draft=draft_dir is not None, batch=args.batch_size, max_seq_len=max_seq_len,
-                           longest=max_seq_len, sampled=True)
+                           longest=max_seq_len, sampled=True, background_default=True)
     enable_compilation_cache()
     tok = Tokenizer.from_dir(model_dir)
     return Engine(str(model_dir), str(draft_dir) if draft_dir else None, config, tok, progress=sys.stderr.isatty())

@@ -201,6 +201,24 @@ def test_background_compile_with_a_fixed_shape_is_refused():
         engine_config(args, draft=True, batch=4, max_seq_len=64, longest=10)
 
 
+@pytest.mark.parametrize("argv, on", [
+    ([], True), (["--spec-disable-batch-threshold", "4"], True), (["--no-background-compile"], False),
+    (["--steps", "2", "--topk", "1"], False), (["--no-speculation"], False),
+])
+def test_serve_compiles_in_the_background_by_default_where_the_policy_serves_plain(argv, on):
+    """serve (background_default=True, as serve_engine passes) starts answering with plain
+    steps under auto and threshold unless --no-background-compile; a fixed shape or no
+    speculation has nothing to compile later; generate keeps it off unless asked."""
+    from eagle_jax.cli import engine_config
+
+    sizes = dict(batch=4, max_seq_len=64, longest=10)
+    serve = build_parser().parse_args(["serve", *argv])
+    assert engine_config(serve, draft="--no-speculation" not in argv, background_default=True, sampled=True,
+                         **sizes).background_compile is on
+    generate = build_parser().parse_args(["generate", "--prompt", "x", *argv])
+    assert engine_config(generate, draft="--no-speculation" not in argv, **sizes).background_compile is False
+
+
 def test_unknown_spec_shape_is_a_start_up_error(tmp_path, capsys):
     from eagle_jax.cli import main
 
