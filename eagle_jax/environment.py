@@ -223,3 +223,30 @@ def fingerprint(dtype: str) -> dict[str, Any]:
         "dtype": dtype,
         "seeds": {"sampling": 0, "note": "greedy decoding (temperature 0) draws no random numbers"},
     }
+
+
+_SOURCE_SUFFIXES = (".py", ".cc", ".h", ".cpp")
+_source_digest: str | None = None
+
+
+def source_digest() -> str:
+    """sha256 over every source file of the eagle_jax and pallas_kernels packages (path and
+    bytes), once per process: the code a compiled graph was traced from, and a
+    calibration measured with (what the executable and calibration caches are keyed by,
+    so any change to the code misses both)."""
+    global _source_digest
+    if _source_digest is None:
+        import hashlib
+
+        import eagle_jax
+        import pallas_kernels
+
+        h = hashlib.sha256()
+        for pkg in (eagle_jax, pallas_kernels):
+            root = Path(pkg.__file__).resolve().parent
+            for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
+                h.update(f"{pkg.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+                h.update(path.read_bytes())
+                h.update(b"\0")
+        _source_digest = h.hexdigest()
+    return _source_digest

@@ -78,18 +78,33 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "eagle_jax.cli", "serve", *flags, "--served-model-name",
                                       "bench", "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT)
         self.base = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         client = openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=5)
         while True:
             if self.proc.poll() is not None:
                 raise SystemExit(f"server exited with {self.proc.returncode}; see {log}")
             try:
                 client.models.list()
-                return
+                break
             except openai.APIConnectionError:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"server not up in {timeout:.0f} s; see {log}") from None
                 time.sleep(1.0)
+        self.listening_s = time.monotonic() - t0
+        # serve compiles the speculative steps in the background by default: measure the
+        # steady state, once /health says speculation is ready.
+        while self._health().get("speculation", "ready") != "ready":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"speculation not ready in {timeout:.0f} s; see {log}")
+            time.sleep(1.0)
+        self.ready_s = time.monotonic() - t0
+
+    def _health(self) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+            return json.loads(r.read())
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -240,6 +255,7 @@ def main() -> int:
         c16 = next((r for r in runs if r["concurrency"] == 16), None)
         results["modes"][mode] = {
             "serve": runs, "generate_c1": ref,
+            "server_listening_s": round(server.listening_s, 1), "server_speculation_ready_s": round(server.ready_s, 1),
             "serve_c1_over_generate": round(c1["tokens_per_second"] / ref["tokens_per_second"], 3) if c1 else None,
             "ttft_p99_over_p50_c16": round(c16["ttft_p99_ms"] / c16["ttft_p50_ms"], 3) if c16 else None,
         }

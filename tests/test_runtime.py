@@ -635,3 +635,19 @@ def test_the_executable_cache_is_off_on_request_and_keeps_to_its_size(monkeypatc
     newest = _exe_table(59)
     newest.build()
     assert not older.executable_cache.dir.exists() and newest.executable_cache.dir.is_dir()
+
+
+def test_tables_whose_state_differs_only_by_their_shapes_do_not_share_a_cached_zeros_graph(target, draft):
+    """The zeroed-state graph takes no argument: its output follows the largest speculative
+    shape. Two tables that differ only in their shapes must not load each other's (the
+    executable cache's manifest holds the state specs): the second table's zeros feed its
+    own speculative step."""
+    kw = dict(batch_buckets=(1,), prompt_buckets=(16,), max_seq_len=40, plain=False, sampled=False)
+    small = SpeculativeConfig(num_steps=1)
+    StepTable(target, draft, shapes=(small,), **kw).build()
+    table = StepTable(target, draft, shapes=(TREE,), **kw)
+    table.build()
+    state = table.zeros(1)
+    assert [x.shape for x in jax.tree.leaves(state)] == [s.shape for s in jax.tree.leaves(table._specs[1])]
+    out = table.step(state, table.sampling([SamplingParams()], 1), TREE, greedy=True)
+    assert np.asarray(out[1]).shape[0] == 1

@@ -32,7 +32,6 @@ tables first.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -46,26 +45,10 @@ from typing import Any
 
 import jax
 
+from eagle_jax.environment import source_digest
+
 FORMAT = 1
 MAGIC = b"EJXEXE1\n"
-_SOURCE_SUFFIXES = (".py", ".cc", ".h", ".cpp")
-
-
-@functools.cache
-def source_digest() -> str:
-    """sha256 over every source file of the eagle_jax and pallas_kernels packages (path and
-    bytes): the code a graph was traced from."""
-    import eagle_jax
-    import pallas_kernels
-
-    h = hashlib.sha256()
-    for pkg in (eagle_jax, pallas_kernels):
-        root = Path(pkg.__file__).resolve().parent
-        for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
-            h.update(f"{pkg.__name__}/{path.relative_to(root).as_posix()}\0".encode())
-            h.update(path.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()
 
 
 def cache_root() -> Path | None:

@@ -425,7 +425,8 @@ class StepTable:
 
         for n in sorted(self._prefill_sizes() - set(self.batch_buckets)):
             _, sh = self._structs(n)
-            jobs.append((f"zeros batch {n}", ("zeros", n), self._job(lambda n=n: init_from_spec(self._specs[n]), (), sh, (), ())))
+            jobs.append((f"zeros batch {n}", ("zeros", n), self._job(lambda n=n: init_from_spec(self._specs[n]), (), sh, (), (),
+                                                                      output=self._specs[n])))
         for p in self.prompt_buckets:
             for n in self.prefill_batches[p]:
                 def prefill(params, state, tokens, start, lengths, next_tokens, samp):
@@ -442,7 +443,7 @@ class StepTable:
         for b in self.batch_buckets:
             st, sh = self._structs(b)
             jobs.append((f"zeros batch {b}", ("zeros", b),
-                         self._job(lambda b=b: init_from_spec(self._specs[b]), (), sh, (), ())))
+                         self._job(lambda b=b: init_from_spec(self._specs[b]), (), sh, (), (), output=self._specs[b])))
             for n in sorted(self._prefill_sizes()):
                 if n > b:
                     continue
@@ -521,8 +522,11 @@ class StepTable:
         s = self._int_struct(b, shape.num_draft_tokens)
         return Tree(tokens=s, parents=s, depths=s)
 
-    def _job(self, fn, in_sh, out_sh, donate, args) -> "_GraphJob":
-        return _GraphJob(self, fn, in_sh, out_sh, donate, args)
+    def _job(self, fn, in_sh, out_sh, donate, args, output=None) -> "_GraphJob":
+        """``output``: for a graph whose result does not follow from its arguments (a
+        zeroed state: its shapes follow the largest speculative shape), that result's
+        spec, so the executable cache keys it."""
+        return _GraphJob(self, fn, in_sh, out_sh, donate, args, output)
 
     # -- build
 
@@ -814,14 +818,16 @@ class _GraphJob:
     Python: one thread at a time) and ``compile`` (XLA, or a read from the persistent
     cache; any thread)."""
 
-    def __init__(self, table: StepTable, fn, in_sh, out_sh, donate, args):
+    def __init__(self, table: StepTable, fn, in_sh, out_sh, donate, args, output=None):
         self.table, self.fn, self.in_sh, self.out_sh, self.donate, self.args = table, fn, in_sh, out_sh, donate, args
+        self.output = output
 
     def signature(self) -> str:
         """What the graph's program depends on besides the table's manifest: its
-        arguments' shapes, dtypes and shardings, its in and out shardings, its donation
-        (the executable cache's per-graph key)."""
-        return f"{describe_tree(self.args)}\0{self.in_sh!r}\0{self.out_sh!r}\0{self.donate!r}"
+        arguments' shapes, dtypes and shardings, its in and out shardings, its donation,
+        and the spec of an output its arguments do not determine (the executable cache's
+        per-graph key)."""
+        return f"{describe_tree(self.args)}\0{self.in_sh!r}\0{self.out_sh!r}\0{self.donate!r}\0{self.output!r}"
 
     def lower(self):
         """(lowered, trace seconds, lower seconds)."""

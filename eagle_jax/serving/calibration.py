@@ -17,7 +17,6 @@ Where: ``$EAGLE_JAX_CALIBRATION_DIR``, else ``calibration/`` under ``$EAGLE_JAX_
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -29,9 +28,9 @@ from typing import Any
 
 import jax
 
-log = logging.getLogger(__name__)
+from eagle_jax.environment import source_digest
 
-PACKAGE = Path(__file__).resolve().parents[1]
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -40,15 +39,6 @@ def cache_dir() -> Path:
         return Path(env)
     root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-jax")
     return Path(root) / "calibration"
-
-
-@functools.lru_cache(maxsize=None)
-def source_digest() -> str:
-    """sha256 over the package's Python and kernel sources (names and bytes)."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc") and p.is_file()):
-        h.update(str(f.relative_to(PACKAGE)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def machine() -> dict[str, Any]:
