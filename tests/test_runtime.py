@@ -651,3 +651,22 @@ def test_tables_whose_state_differs_only_by_their_shapes_do_not_share_a_cached_z
     assert [x.shape for x in jax.tree.leaves(state)] == [s.shape for s in jax.tree.leaves(table._specs[1])]
     out = table.step(state, table.sampling([SamplingParams()], 1), TREE, greedy=True)
     assert np.asarray(out[1]).shape[0] == 1
+
+
+def test_a_second_engine_of_the_same_configuration_loads_every_graph_untraced(target, draft):
+    """Issue 32's test, through the engine's own report: a second Engine with the same
+    target, draft and configuration loads every executable from the executable cache
+    (none traced, none compiled by XLA) and decodes the same tokens."""
+    from eagle_jax.serving.engine import compile_count
+
+    cfg = EngineConfig(speculative=SPEC, max_batch=2, max_seq_len=44, batch_buckets=(2,), prompt_buckets=(16,),
+                       sampled_steps=False)  # a context no other test uses: compiled here, so stored
+    first = Engine(target, draft, cfg, progress=False)
+    assert first.table.report.loaded == 0
+    compiles = compile_count()
+    second = Engine(target, draft, cfg, progress=False)
+    report = second.table.report
+    assert report.loaded == report.graphs > 0 and compile_count() == compiles
+    assert all(t.trace_s == 0 and t.lower_s == 0 for t in report.timings)
+    prompts, params = [[5, 6, 7], [9, 10]], [_greedy(12)] * 2
+    assert [c.token_ids for c in second.generate(prompts, params)] == [c.token_ids for c in first.generate(prompts, params)]
