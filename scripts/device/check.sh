@@ -9,14 +9,5 @@
 # It runs the package from this checkout (no install: the GPU machine has no registry)
 # with that machine's JAX. Wheels a machine lacks can travel in .whl/ (device README).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the folder the results go to}"
-PY=${PYTHON:-python3}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/eagle_jax_site .whl/*.whl \
-    || { echo "installing .whl/ failed" >&2; exit 1; }
-  export PYTHONPATH="/tmp/eagle_jax_site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh"
 exec "$PY" scripts/device/check.py --out "$OUT" "$@"

@@ -43,16 +43,10 @@ import tarfile
 import time
 from pathlib import Path
 
+from eagle_jax.train.data import file_sha256
+
 REPO = Path(__file__).resolve().parents[2]
 PART_BYTES = 15 * 2**20  # under the 16 MiB a returned file may have
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def prepare_gguf(gguf: Path, parts_dir: Path, part_mb: int) -> list[Path]:
@@ -67,7 +61,7 @@ def prepare_gguf(gguf: Path, parts_dir: Path, part_mb: int) -> list[Path]:
             p = parts_dir / f"part-{i:02d}"
             p.write_bytes(block)
             out.append(p)
-    (parts_dir / "SHA256").write_text(f"{_sha256(gguf)}  {gguf.name}\n")
+    (parts_dir / "SHA256").write_text(f"{file_sha256(gguf)}  {gguf.name}\n")
     return out
 
 
@@ -81,7 +75,7 @@ def join_gguf(parts_dir: Path, dest: Path) -> Path:
     with open(dest, "wb") as f:
         for p in parts:
             f.write(p.read_bytes())
-    got = _sha256(dest)
+    got = file_sha256(dest)
     if got != want:
         raise SystemExit(f"{dest}: sha256 {got} is not {want} ({name}); parts {[p.name for p in parts]}: one missing or changed?")
     return dest

@@ -10,14 +10,5 @@
 # Like check.sh it runs the package from this checkout with that machine's JAX; wheels a
 # machine lacks travel in .whl/.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the folder the results go to}"
-PY=${PYTHON:-python3}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/eagle_jax_site .whl/*.whl \
-    || { echo "installing .whl/ failed" >&2; exit 1; }
-  export PYTHONPATH="/tmp/eagle_jax_site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh"
 exec "$PY" scripts/device/draft_pipeline.py --out "$OUT" "$@"
