@@ -622,6 +622,28 @@ def test_an_unreadable_executable_cache_entry_is_compiled_again_with_a_warning()
         _exe_table(73).build()
 
 
+def test_an_executable_that_calls_back_into_python_is_not_stored(tmp_path):
+    """A graph that calls back into Python (the Pallas interpreter on CPU does, as does
+    jax.pure_callback) holds closures of this process: storing it is declined (no file,
+    no error) rather than failing the build or leaving an entry that cannot run."""
+    from eagle_jax.runtime.executable_cache import ExecutableCache
+
+    scale = np.float32(3.0)
+
+    def host(x):  # a local function, as the interpreter's callbacks are
+        return np.asarray(x) * scale
+
+    def f(x):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1
+
+    x = jnp.arange(4, dtype=jnp.float32)
+    compiled = jax.jit(f).lower(x).compile()
+    cache = ExecutableCache(tmp_path, {"test": "callbacks"})
+    assert cache.store(cache.key(("cb",), "sig"), compiled, "callback graph") is False
+    assert cache.written == 0 and not list(tmp_path.rglob("*.exe"))
+    np.testing.assert_allclose(np.asarray(compiled(x)), np.arange(4) * 3.0 + 1)
+
+
 def test_the_executable_cache_is_off_on_request_and_keeps_to_its_size(monkeypatch):
     """EAGLE_JAX_EXECUTABLE_CACHE=off: nothing is stored or loaded. Over the size limit the
     least recently used tables are dropped, never the one just built."""

@@ -141,14 +141,21 @@ class ExecutableCache:
 
     def store(self, key: str, compiled, name: str) -> bool:
         """Write ``compiled`` under ``key`` (atomically); False, with a debug log, when the
-        executable cannot be serialized (for example one holding constants)."""
+        executable cannot be serialized: one holding constants, or one that calls back into
+        Python (the Pallas interpreter on CPU, ``jax.pure_callback``): its callbacks are
+        closures of this process, and pickling them fails (AttributeError in Python 3.12)
+        or, where it would not, a loaded copy would call nothing registered."""
+        import logging
+
         from jax.experimental import serialize_executable
 
+        unloaded = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+        if unloaded is not None and getattr(unloaded, "host_callbacks", None):
+            logging.getLogger(__name__).debug("not caching the executable of %s: it calls back into Python", name)
+            return False
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
-            import logging
-
+        except (ValueError, NotImplementedError, TypeError, AttributeError, pickle.PicklingError) as e:
             logging.getLogger(__name__).debug("not caching the executable of %s: %s", name, e)
             return False
         self.dir.mkdir(parents=True, exist_ok=True)
