@@ -65,7 +65,7 @@ def mode_flags(args, mode: str) -> list[str]:
     engine = ["--model", str(args.model), "--batch-size", str(args.batch_size), "--max-seq-len", str(args.max_seq_len)]
     if mode == "plain":
         return engine + ["--no-speculation"]
-    extra = ["--spec-policy", "auto", "--spec-calibration-s", str(args.calibration_s)]
+    extra = ["--spec-policy", "auto", "--spec-calibration-s", str(args.calibration_s), "--draft-sync", args.draft_sync]
     if args.spec_shapes:
         extra += ["--spec-shapes", args.spec_shapes]
     return engine + ["--draft", str(args.draft)] + extra
@@ -191,8 +191,9 @@ def plot(results: dict, path: Path) -> None:
     for mode, runs in results["modes"].items():
         cs = [r["concurrency"] for r in runs["serve"]]
         a.plot(cs, [r["tokens_per_second"] for r in runs["serve"]], "o-", label=f"serve {mode}")
-        a.axhline(runs["generate_c1"]["tokens_per_second"], ls=":", color=a.lines[-1].get_color(),
-                  label=f"generate {mode} (batch 1)")
+        if runs["generate_c1"]:
+            a.axhline(runs["generate_c1"]["tokens_per_second"], ls=":", color=a.lines[-1].get_color(),
+                      label=f"generate {mode} (batch 1)")
         b.plot(cs, [r["ttft_p50_ms"] for r in runs["serve"]], "o-", label=f"{mode} p50")
         b.plot(cs, [r["ttft_p99_ms"] for r in runs["serve"]], "s--", color=b.lines[-1].get_color(), label=f"{mode} p99")
     for ax, title, unit in ((a, "output tokens/s", "tokens/s"), (b, "time to first token", "ms")):
@@ -218,6 +219,13 @@ def main() -> int:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--spec-shapes", default=None, help="auto's candidates (default: the engine's)")
     p.add_argument("--calibration-s", type=float, default=20.0)
+    p.add_argument("--draft-sync", choices=("auto", "eager", "deferred"), default="auto",
+                   help="auto mode's --draft-sync (how the draft follows plain steps)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="one unmeasured pass at each concurrency before its measured one (the first pass at a "
+                        "new concurrency is the first to run that batch bucket's graphs)")
+    p.add_argument("--generate-reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="time `eagle-jax generate --batch-size 1` on the same prompts (the concurrency-1 goal)")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to compile")
     p.add_argument("--out", type=Path, default=REPO / "results" / "serve")
     args = p.parse_args()
@@ -235,17 +243,22 @@ def main() -> int:
         "environment": fingerprint("float32"),
         "taken": datetime.date.today().isoformat(),
         "prompts": len(records), "max_tokens": args.max_tokens, "batch_size": args.batch_size,
-        "max_seq_len": args.max_seq_len, "modes": {},
+        "max_seq_len": args.max_seq_len, "warmup_pass": args.warmup, "modes": {},
     }
     for mode in args.modes:
-        print(f"[{mode}] eagle-jax generate --batch-size 1 ...", file=sys.stderr)
-        ref = generate_reference(args, mode, prompt_file, work)
-        print(f"[{mode}] generate: {ref['tokens_per_second']} tok/s; starting the server ...", file=sys.stderr)
+        ref = None
+        if args.generate_reference:
+            print(f"[{mode}] eagle-jax generate --batch-size 1 ...", file=sys.stderr)
+            ref = generate_reference(args, mode, prompt_file, work)
+            print(f"[{mode}] generate: {ref['tokens_per_second']} tok/s", file=sys.stderr)
+        print(f"[{mode}] starting the server ...", file=sys.stderr)
         server = Server(mode_flags(args, mode), work / f"server_{mode}.log", args.start_timeout)
         runs = []
         try:
             asyncio.run(drive(server.base, messages[: min(4, len(messages))], 1, 8))  # warm the HTTP path
             for c in args.concurrency:
+                if args.warmup:
+                    asyncio.run(drive(server.base, messages, c, args.max_tokens))
                 r = asyncio.run(drive(server.base, messages, c, args.max_tokens))
                 print(f"[{mode}] concurrency {c}: {json.dumps(r)}", file=sys.stderr)
                 runs.append(r)
@@ -256,7 +269,8 @@ def main() -> int:
         results["modes"][mode] = {
             "serve": runs, "generate_c1": ref,
             "server_listening_s": round(server.listening_s, 1), "server_speculation_ready_s": round(server.ready_s, 1),
-            "serve_c1_over_generate": round(c1["tokens_per_second"] / ref["tokens_per_second"], 3) if c1 else None,
+            "draft_sync": args.draft_sync if mode == "auto" else None,
+            "serve_c1_over_generate": round(c1["tokens_per_second"] / ref["tokens_per_second"], 3) if c1 and ref else None,
             "ttft_p99_over_p50_c16": round(c16["ttft_p99_ms"] / c16["ttft_p50_ms"], 3) if c16 else None,
         }
     path = args.out / "bench_serve.json"

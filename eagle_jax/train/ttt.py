@@ -738,7 +738,9 @@ def train_draft(
         left = time_budget_s - now - end_cost["eval"] - end_cost["save"] - 2 * step_s
         if left < 0:
             return False
-        trainer.total_steps = max(trainer.step_count + 1, min(total, trainer.step_count + int(left / step_s)))
+        # At least one more step while time is left, never past cfg.epochs (the cap; a
+        # floor of step_count + 1 alone once ran a 2-epoch run for 1,061 epochs).
+        trainer.total_steps = min(total, trainer.step_count + max(1, int(left / step_s)))
         return True
 
     def evaluate() -> None:

@@ -654,6 +654,8 @@ def test_the_device_draft_pipeline_dry_run(tiny_dir, gz_prompts, answer_store, t
     assert rec["answers_after"]["answers"] == whole["answers"] == 42
     assert rec["answers_new"]["answers"] == 42 - first["answers"] > 0
     assert rec["held_out"]["last"]["acc"] and rec["held_out"]["last"]["step"] > 0
+    # --epochs 2 ends the training, not its 240 s budget (the budget once lifted the cap).
+    assert rec["held_out"]["last"]["epoch"] == 2.0
     # The new shards untar into a fresh copy of the store it started from: every answer there.
     with tarfile.open(out / "answers-new.tar") as tar:
         names = tar.getnames()

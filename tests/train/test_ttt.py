@@ -394,6 +394,22 @@ def test_time_budget_ends_the_run_in_time_with_a_decayed_rate_and_a_checkpoint(t
         train_draft(target, data, cfg, time_budget_s=0)
 
 
+def test_a_time_budget_never_runs_past_the_epochs(target, small_sets):
+    """A budget with room for far more steps than ``cfg.epochs`` holds: the run ends at
+    the epochs' last step (an upper bound the budget does not lift) with the rate decayed
+    to its floor there, well inside the budget."""
+    data, held = small_sets
+    cfg = TrainConfig(draft_vocab_size=160, ttt_length=2, batch_size=8, epochs=2, learning_rate=1e-2,
+                      warmup_steps=1, min_learning_rate_ratio=0.1)
+    epoch_steps = -(-len(data) // cfg.batch_size)
+    budget = 90.0  # about ten times what the two epochs take here
+    _, history = train_draft(target, data, cfg, eval_data=held, log_every=1, time_budget_s=budget)
+    trains = [h for h in history if h["event"] == "train"]
+    assert [h["step"] for h in trains] == list(range(1, 2 * epoch_steps + 1))
+    assert trains[-1]["lr"] == pytest.approx(cfg.learning_rate * cfg.min_learning_rate_ratio, rel=0.05)
+    assert max(h.get("elapsed_s", 0.0) for h in history) < budget / 2
+
+
 def test_new_vocab_keeps_the_layer_and_the_shared_head_columns(target, small_sets):
     from eagle_jax.train.ttt import revocab_draft
 
