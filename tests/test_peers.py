@@ -148,6 +148,17 @@ def test_driver_self_check_writes_the_result_schema(tmp_path):
     assert r.returncode == 0 and not (tmp_path / "none").exists()
 
 
+def test_driver_looks_for_a_relative_model_beside_the_prompt_file(tmp_path):
+    """bench --export-prompts names the model relative to the prompt file; the driver
+    looks for it there, whatever the working directory (here: it is missing, and the
+    error names where it looked)."""
+    (tmp_path / "sub").mkdir()
+    prompts = write_prompts(tmp_path / "sub" / "p.jsonl", {"a": [1]}, model="../ckpt/m")
+    r = run_driver("--prompts", prompts, "--out", tmp_path / "out")
+    assert r.returncode == 2
+    assert f"model directory {tmp_path / 'ckpt' / 'm'} does not exist" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("lines, message", [
     (['{"format": "other"}'], ":1: not an eagle-jax prompt export"),
     (['{"format": "eagle-jax-peer-prompts", "version": 1, "model": "m", "max_new_tokens": 2, "prompts": 1}',
@@ -184,7 +195,9 @@ def test_export_prompts_writes_the_token_ids_bench_runs(tiny, tmp_path, monkeypa
     assert [r["id"] for r in rows] == ["p1", "p2"]
     assert [r["prompt_token_ids"] for r in rows] == expected and all(expected)
     assert header["format"] == bench.PEER_PROMPTS_FORMAT and header["prompts"] == 2 and header["max_new_tokens"] == 6
-    assert Path(header["model"]) == Path(tiny["target"]).resolve() and Path(header["model"]).is_absolute()
+    # Relative to the prompt file, so no machine path is kept in results/.
+    assert not Path(header["model"]).is_absolute()
+    assert (f.parent / header["model"]).resolve() == Path(tiny["target"]).resolve()
     assert header["bench"]["suite"] == str(tiny["suite"]) and header["bench"]["command"].startswith("eagle-jax bench")
     assert not (tmp_path / "results").exists()
     # --max-prompts selects as bench does (evenly spread: one of two is the first).

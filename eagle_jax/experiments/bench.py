@@ -340,13 +340,16 @@ def export_prompts(args: argparse.Namespace, log=print) -> Path:
     model_dir = Path(args.model or default_model_dir())
     tokenizer = Tokenizer.from_dir(model_dir)
     suite, prompts = harness.Runner(log).prompts(args.suite, args.max_prompts, tokenizer)
-    header = {"format": PEER_PROMPTS_FORMAT, "version": PEER_FORMAT_VERSION, "model": str(model_dir.resolve()),
+    path = Path(args.export_prompts)
+    # Relative to the prompt file (the driver resolves it there): no machine's path in a
+    # file that results/ keeps, and it still names the model wherever the checkout is.
+    model_ref = os.path.relpath(model_dir.resolve(), path.parent.resolve())
+    header = {"format": PEER_PROMPTS_FORMAT, "version": PEER_FORMAT_VERSION, "model": model_ref,
               "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
               "bench": {"suite": suite.name, "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens,
                         "dtype": args.dtype, "command": command_line(args)},
               "written_at": harness.timestamp()}
     lines = [json.dumps(header)] + [json.dumps({"id": r.id, "prompt_token_ids": p}) for r, p in zip(suite.records, prompts)]
-    path = Path(args.export_prompts)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

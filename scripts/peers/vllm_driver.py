@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             raise InputFileError(f"--max-model-len {max_model_len}: the longest prompt ({longest}) and "
                                  f"{max_new} new tokens need {longest + max_new}")
         model = args.model or header["model"]
+        # The header's model is relative to the prompt file (bench --export-prompts).
+        load_from = model if args.model or os.path.isabs(model) else os.path.normpath(args.prompts.parent / model)
     except InputFileError as e:
         print(f"vllm_driver: error: {e}", file=sys.stderr)
         return 2
@@ -306,10 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.self_check:
         gen = FakeGenerator()
     else:
-        if not Path(model).is_dir():
-            print(f"vllm_driver: error: model directory {model} does not exist (--model DIR)", file=sys.stderr)
+        if not Path(load_from).is_dir():
+            print(f"vllm_driver: error: model directory {load_from} does not exist (--model DIR)", file=sys.stderr)
             return 2
-        gen = VllmGenerator(model, args.dtype, max_model_len, args.ignore_eos, args.seed, extra)
+        gen = VllmGenerator(load_from, args.dtype, max_model_len, args.ignore_eos, args.seed, extra)
     figures = measure(gen, prompts, max_new, args.repeats, log)
     report = {
         "format": RESULT_FORMAT,
