@@ -271,9 +271,15 @@ class Runner:
         self._suites: dict = {}
 
     def models(self, model_dir: str, draft_dir: str | None, dtype: str):
+        """The models every engine of ``dtype`` shares, loaded as the engine would load
+        them from their directories: float32 where the plan streams bfloat16 weight panels
+        (bfloat16 on a CPU with the packed kernel; loaded in bfloat16 they would run XLA's
+        emulated bfloat16 arithmetic, about 10x slower)."""
+        from eagle_jax.runtime.plan import model_dtype, resolve_plan
+
         key = (model_dir, draft_dir, dtype)
         if key not in self._models:
-            self._models[key] = load_models(model_dir, draft_dir, dtype)
+            self._models[key] = load_models(model_dir, draft_dir, model_dtype(resolve_plan(dtype=dtype), dtype))
         return self._models[key]
 
     def prompts(self, suite: str, max_prompts: int, tokenizer) -> tuple[Suite, list[list[int]]]:
