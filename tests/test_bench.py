@@ -135,3 +135,11 @@ def test_bench_loads_bfloat16_models_as_the_engine_does(tiny):
     assert jnp.dtype(target.dtype) == expected and draft.fc.kernel[...].dtype == expected
     if plan.backend == "cpu" and plan.matmul == "packed":
         assert expected == jnp.float32
+    # ...and the engine it builds streams bfloat16 panels (the point's dtype reaches it).
+    from eagle_jax.checkpoint.tokenizer import Tokenizer
+    from eagle_jax.experiments.harness import resolve
+
+    point = resolve({"dtype": "bfloat16", "batch_size": 1})
+    engine = Runner(log=lambda *a: None).engine(target, draft, Tokenizer.from_dir(tiny["target"]), point,
+                                                max_seq_len=64, buckets=(16,), speculative=False)
+    assert engine.config.dtype == "bfloat16" and engine.table.plan.packed_dtype == plan.packed_dtype

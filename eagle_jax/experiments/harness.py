@@ -305,8 +305,10 @@ class Runner:
             return self._engines[key]
         if len(self._engines) >= self.MAX_ENGINES:
             self._engines.pop(next(iter(self._engines)))
+        # The point's dtype reaches the engine too: its plan (bfloat16 panels on a CPU with
+        # the packed kernel) follows it, as it does for an engine loading a directory.
         base = dict(max_batch=v["batch_size"], batch_buckets=(v["batch_size"],), max_seq_len=max_seq_len,
-                    prompt_buckets=buckets, sampled_steps=sampled)
+                    prompt_buckets=buckets, sampled_steps=sampled, dtype=v["dtype"])
         if spec is not None and v.get("draft_sync") is not None:
             base["draft_sync"] = v["draft_sync"]
         if spec is None:
