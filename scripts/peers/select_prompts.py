@@ -18,6 +18,7 @@ Writes ``{"id", "messages", "prompt_tokens"}`` lines, shortest group first.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -51,17 +52,16 @@ def main() -> int:
     args = p.parse_args()
     tok = Tokenizer.from_dir(args.model)
     picked: list[list[dict]] = [[] for _ in args.groups]
-    sources = [REPO / "data" / "prompts" / "heldout-prompts.jsonl", REPO / "data" / "prompts" / "train-prompts.jsonl.gz"]
-    for source in sources:
-        for _, rec in iter_prompt_file(source):
-            if rec.messages is None or rec.messages[-1]["role"] != "user":
-                continue
-            n = len(encode(tok, rec))
-            for g, (lo, hi) in enumerate(args.groups):
-                if lo <= n <= hi and len(picked[g]) < args.per_group:
-                    picked[g].append({"id": rec.id, "messages": list(rec.messages), "prompt_tokens": n})
-            if all(len(g) == args.per_group for g in picked):
-                break
+    prompts = REPO / "data" / "prompts"
+    records = itertools.chain(iter_prompt_file(prompts / "heldout-prompts.jsonl"),
+                              iter_prompt_file(prompts / "train-prompts.jsonl.gz"))
+    for _, rec in records:
+        if rec.messages is None or rec.messages[-1]["role"] != "user":
+            continue
+        n = len(encode(tok, rec))
+        for g, (lo, hi) in enumerate(args.groups):
+            if lo <= n <= hi and len(picked[g]) < args.per_group:
+                picked[g].append({"id": rec.id, "messages": list(rec.messages), "prompt_tokens": n})
         if all(len(g) == args.per_group for g in picked):
             break
     for (lo, hi), got in zip(args.groups, picked):
