@@ -133,8 +133,10 @@ class VllmGenerator:
 
 
 class FakeGenerator:
-    """The prompt's own tokens, cycled; sleeps a little per token so the times are real
-    and non-zero. Checks the schema and the measurement code without vllm."""
+    """The prompt's own tokens, cycled; sleeps 2 ms a request plus 5 ms a new token, so
+    the times are real and a 4-token request takes clearly longer than its first token
+    even on a loaded machine (at 10 us a token, scheduling noise reversed them in CI).
+    Checks the schema and the measurement code without vllm."""
 
     name = "vllm-cpu (self-check: fake generator)"
     llm_kwargs: dict = {}
@@ -142,7 +144,7 @@ class FakeGenerator:
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], str | None]]:
         outs = []
         for p in prompts:
-            time.sleep(1e-5 * (len(p) + max_tokens))
+            time.sleep(2e-3 + 5e-3 * max_tokens)
             outs.append(([p[j % len(p)] for j in range(max_tokens)], "length"))
         return outs
 
