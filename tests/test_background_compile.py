@@ -147,7 +147,7 @@ def test_a_failed_background_compile_is_raised_from_every_step(target, draft, mo
 def test_a_failed_background_calibration_is_raised_from_step(target, draft, monkeypatch):
     from eagle_jax.serving.policy import AutoPolicy
 
-    def broken(self, time_step, buckets):
+    def broken(self, time_step, buckets, **_):
         raise RuntimeError("the calibration broke")
 
     monkeypatch.setattr(AutoPolicy, "calibrate", broken)
@@ -159,6 +159,64 @@ def test_a_failed_background_calibration_is_raised_from_step(target, draft, monk
         engine.wait_for_speculation(timeout=300)
     with pytest.raises(RuntimeError, match="the calibration broke"):
         engine.step()
+
+
+def test_a_calibration_the_exit_cuts_off_is_resumed_by_the_next_start(tmp_path, monkeypatch, gate, caplog):
+    """A short run ends while the background thread calibrates: the exit hook's stop is
+    seen after the bucket in progress, whose timings are saved to the calibration cache
+    as part of a record; the next start-up of the same command times only the buckets
+    left, then keeps the whole record, which the one after reads without timing."""
+    from eagle_jax.checkpoint.draft_io import save_draft
+    from eagle_jax.serving.calibration import cache_dir
+
+    monkeypatch.setenv("EAGLE_JAX_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    tdir, ddir = tmp_path / "target", tmp_path / "draft"
+    make_hf_model("llama3", seed=4).save_pretrained(tdir, safe_serialization=True)
+    from hf_factories import write_word_tokenizer
+
+    write_word_tokenizer(tdir, 211)
+    save_draft(random_draft(load_model(tdir).config, seed=2, draft_vocab_size=128), ddir)
+    config = dataclasses.replace(THRESHOLD, spec_policy="auto", spec_disable_batch_threshold=None, speculative=None,
+                                 spec_shapes=(SPEC,), spec_calibration_s=0.5)
+    timed, box = [], {}
+    real = StepTable.time_step
+
+    def time_step(self, b, shape, **kw):
+        timed.append(b)
+        if b == 2 and "engine" in box:  # the process exits while bucket 1 is being timed
+            box["engine"]._background.stop.set()
+        return real(self, b, shape, **kw)
+
+    monkeypatch.setattr(StepTable, "time_step", time_step)
+    box["engine"] = first = Engine(str(tdir), str(ddir), config, progress=False)
+    gate.set()
+    assert first._background.done.wait(300)
+    assert isinstance(first._background.error, ConfigError) and "[1] it measured are kept" in str(first._background.error)
+    assert not first.speculation_ready
+    [path] = cache_dir().glob("*.json")
+    import json
+
+    record = json.loads(path.read_text())["record"]
+    assert record["partial"] is True and record["buckets"] == [1]
+    del box["engine"]
+
+    timed.clear()
+    caplog.set_level(logging.INFO, logger="eagle_jax.serving.engine")
+    second = Engine(str(tdir), str(ddir), config, progress=False)
+    assert second.wait_for_speculation(timeout=300)
+    assert timed and set(timed) == {2}, timed  # bucket 1 was not timed again
+    assert "1 buckets resumed" in caplog.text
+    record = json.loads(path.read_text())["record"]
+    assert record["partial"] is False and record["buckets"] == [1, 2]
+    assert second.policy.calibration.seconds[(1, SPEC)] == pytest.approx(first.policy._record_rows(record, [1])[1][SPEC])
+
+    timed.clear()
+    caplog.clear()
+    third = Engine(str(tdir), str(ddir), config, progress=False)
+    assert third.wait_for_speculation(timeout=300)
+    assert timed == [] and "read from the cache" in caplog.text
+    out = third.generate(PROMPTS, _greedy())
+    assert [c.token_ids for c in out] == [c.token_ids for c in second.generate(PROMPTS, _greedy())]
 
 
 EXIT_SCRIPT = """

@@ -389,6 +389,57 @@ def test_calibration_noise_cannot_make_more_work_cheaper():
     assert got == {None: 0.056, CHAINS[0]: 0.056, CHAINS[1]: 0.056, CHAINS[2]: 0.070, TREE: 0.056}
 
 
+class _CutOff(Exception):
+    pass
+
+
+def test_a_calibration_cut_off_part_way_is_resumed_not_measured_again():
+    """A background calibration that the process's end cuts off (a short run) keeps the
+    buckets it timed: ``on_progress`` gets the record after each bucket, the next engine
+    resumes from it and times only the rest, and the result is the one a whole run gives.
+    A part-way record is never taken for a whole one."""
+    timings = _times(plain_ms=10, per_token_ms=3, tree_ms=40)
+    timed, saved = [], []
+
+    def time_step(bucket, shape):
+        timed.append(bucket)
+        return timings(bucket, shape)
+
+    def cut_after_first(record):
+        saved.append(json.loads(json.dumps(record)))  # what the cache file would hold
+        raise _CutOff
+
+    shapes = CHAINS[:2] + (TREE,)
+    first = AutoPolicy(shapes, prior=[0.6, 0.5], calibration_rounds=2)
+    with pytest.raises(_CutOff):
+        first.calibrate(time_step, buckets=[4, 1, 2], on_progress=cut_after_first)
+    [partial] = saved
+    assert partial["partial"] is True and partial["buckets"] == [1]  # the smallest bucket first
+    assert set(timed) == {1, 2, 4} and timed.count(1) == 4 * 3  # warm-up everywhere, then bucket 1's two rounds
+    assert first.calibration is None
+
+    second = AutoPolicy(shapes, prior=[0.6, 0.5], calibration_rounds=2)
+    assert second.restore_calibration(partial, [1, 2, 4]) is None  # part of one is not one
+    timed.clear()
+    progress = []
+    line = second.calibrate(time_step, buckets=[1, 2, 4], resume=partial, on_progress=progress.append)
+    assert 1 not in timed and timed.count(2) == timed.count(4) == 4 * 3  # warm-up and two rounds each, bucket 1 kept
+    assert "1 buckets resumed" in line and "1: 2 (cached)" in line, line
+    assert [r["buckets"] for r in progress] == [[1, 2]]  # saved after bucket 2; the engine saves the whole record
+    whole = AutoPolicy(shapes, prior=[0.6, 0.5], calibration_rounds=2)
+    whole.calibrate(timings, buckets=[1, 2, 4])
+    assert second.calibration.seconds == whole.calibration.seconds
+    record = second.calibration_record()
+    assert record["partial"] is False and record["buckets"] == [1, 2, 4]
+    third = AutoPolicy(shapes, prior=[0.6, 0.5])
+    assert third.restore_calibration(record, [1, 2, 4]) is not None
+    assert third.calibration.seconds == whole.calibration.seconds
+    # A record of another option set resumes nothing: everything is measured.
+    timed.clear()
+    AutoPolicy(CHAINS[:1], prior=[0.6]).calibrate(time_step, buckets=[1, 2], resume=partial)
+    assert timed.count(1) > 0 and timed.count(2) > 0
+
+
 def test_calibration_is_cached_per_machine_models_and_configuration(tmp_path, monkeypatch, caplog):
     """A second engine of the same configuration reads auto's timings from the cache
     (no step is timed: counted through StepTable.time_step) and says so; a changed shape

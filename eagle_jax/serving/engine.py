@@ -509,13 +509,13 @@ class _Built:
 
 class _BackgroundCompile:
     """A daemon thread that compiles the speculative graphs (``StepTable.build_later``),
-    then calibrates the policy (``calibrate``: from the calibration cache, or timed here,
+    then calibrates the policy (``calibrate(stop)``: from the calibration cache, or timed here,
     beside the steps the engine runs meanwhile, rather than stalling them); ``done`` is
     set when it has finished, with ``report`` and the ``calibration`` line, or the
     ``error`` it raised. Until ``done`` the engine neither asks nor shows the policy
     anything, so the policy is this thread's alone."""
 
-    def __init__(self, table: StepTable, calibrate: Callable[[], str | None]):
+    def __init__(self, table: StepTable, calibrate: Callable[[threading.Event], str | None]):
         self.t0 = time.perf_counter()
         self.report = None
         self.calibration: str | None = None
@@ -535,14 +535,14 @@ class _BackgroundCompile:
         self._thread.join()
         atexit.unregister(self.shut_down)
 
-    def _run(self, table: StepTable, calibrate: Callable[[], str | None]) -> None:
+    def _run(self, table: StepTable, calibrate: Callable[[threading.Event], str | None]) -> None:
         try:
             self.report = table.build_later(self.stop)
             if self.report is None:
                 raise ConfigError("the background compile was stopped (the process is exiting)")
             if self.stop.is_set():
                 raise ConfigError("the background calibration was not started (the process is exiting)")
-            self.calibration = calibrate()
+            self.calibration = calibrate(self.stop)
             self.ready_s = time.perf_counter() - self.t0
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, raised from step()
             e.add_note("eagle-jax: in the background compile (EngineConfig.background_compile); the engine "
@@ -637,10 +637,13 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
     return _Built(config, target, draft, tokenizer, policy, table, describe, background, (target_path, draft_path))
 
 
-def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path, draft_path) -> str | None:
+def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path, draft_path,
+               stop: threading.Event | None = None) -> str | None:
     """The policy's start-up timings: read from the per-machine cache when an earlier
     engine of the same key measured them (``serving.calibration``), else measured (and
-    kept). Returns the start-up line's part, or None for a policy that does not time."""
+    kept). Returns the start-up line's part, or None for a policy that does not time.
+    ``stop`` (the background compile's, set at the process's exit): checked after each
+    bucket, once what was measured is saved, so an exit waits for one bucket at most."""
     ctx = config.spec_calibration_context
     cache = None
     if config.calibration_cache:
@@ -649,14 +652,25 @@ def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig
             "buckets": list(config.batch_buckets), "policy": policy.describe(), "class": type(policy).__qualname__,
             "shapes": [s.shape for s in policy.shapes],
         })
+    record = None
     if cache is not None and not config.recalibrate:
         record = cache.load()
         line = policy.restore_calibration(record, config.batch_buckets) if record is not None else None
         if line is not None:
             return f"{line} (each row at context {ctx}; {cache.path.name}; --recalibrate measures again)"
-        if record is not None:
+        if record is not None and not (isinstance(record, dict) and record.get("partial")):
             log.warning("calibration cache %s does not fit policy %s: measuring again", cache.path, policy.describe())
-    line = policy.calibrate(functools.partial(table.time_step, context=ctx), config.batch_buckets)
+    # A part-way record (an earlier process ended while calibrating, as a short run with
+    # the background compile does) is resumed; each bucket timed here is saved at once.
+    def progress(partial: dict) -> None:
+        if cache is not None:
+            cache.save(partial)
+        if stop is not None and stop.is_set():
+            raise ConfigError(f"the background calibration was stopped (the process is exiting); the buckets "
+                              f"{partial['buckets']} it measured are kept for the next start-up")
+
+    line = policy.calibrate(functools.partial(table.time_step, context=ctx), config.batch_buckets,
+                            resume=record, on_progress=progress)
     if line is None:
         return None
     record = policy.calibration_record()

@@ -59,10 +59,15 @@ class SpeculationPolicy:
         cost in the loop (``metrics.StepTimings``: results to results, the same step
         before it, nothing else queued between; else None)."""
 
-    def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int]) -> str | None:
+    def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int], *,
+                  resume: dict | None = None, on_progress: Callable[[dict], None] | None = None) -> str | None:
         """Called once the step table is built: ``time_step(bucket, shape)`` runs one
         compiled step on a fresh state (rows at ``EngineConfig.spec_calibration_context``)
-        and returns its seconds. Returns a line for the start-up log, or None."""
+        and returns its seconds. Returns a line for the start-up log, or None.
+        ``resume``: a record an earlier engine of the same key saved part-way (its
+        process ended while calibrating): the rows it holds are kept, not timed again.
+        ``on_progress(record)``: called with the record so far after each bucket, so a
+        run cut short leaves what it measured to the next one."""
         return None
 
     def calibration_record(self) -> dict | None:
@@ -432,20 +437,34 @@ class AutoPolicy(SpeculationPolicy):
 
     # -- start-up
 
-    def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int]) -> str:
+    def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int], *,
+                  resume: dict | None = None, on_progress: Callable[[dict], None] | None = None) -> str:
         """Time every option in every bucket: a warm-up round, then interleaved rounds
         per bucket, up to ``calibration_rounds``, while the bucket's share of the budget
         lasts (at least one); the median per (bucket, option) is kept. The budget is
         shared out per bucket so the large buckets' slow steps do not leave the small
-        ones, whose steps are cheap to repeat, with a single noisy round."""
+        ones, whose steps are cheap to repeat, with a single noisy round.
+
+        Buckets a ``resume`` record holds (an earlier engine's part-way calibration) are
+        taken from it; ``on_progress`` gets the record so far after each bucket timed
+        here (the smallest first: the cheapest to finish). A background calibration of
+        a short run, which the process's end cuts off, so still adds up over runs."""
         t0 = time.perf_counter()
-        keys = [(b, o) for b in buckets for o in self.options()]
+        known = self._record_rows(resume, buckets) if isinstance(resume, dict) else {}
+        try:
+            prior_wall, prior_rounds = (float(resume["wall_s"]), int(resume["rounds"])) if known else (0.0, None)
+        except (KeyError, TypeError, ValueError):  # a record of another layout: measure everything
+            known, prior_wall, prior_rounds = {}, 0.0, None
+        todo = sorted(b for b in buckets if b not in known)
+        medians = {(b, o): s for b, row in known.items() for o, s in row.items()}
+        keys = [(b, o) for b in todo for o in self.options()]
         samples: dict = {k: [] for k in keys}
         for k in keys:  # warm-up: first runs allocate
             time_step(*k)
-        share = max(0.0, self.calibration_budget_s - (time.perf_counter() - t0)) / max(len(buckets), 1)
-        per_bucket = {}
-        for b in buckets:
+        share = max(0.0, self.calibration_budget_s - (time.perf_counter() - t0)) / max(len(todo), 1)
+        per_bucket = {b: f"{prior_rounds} (cached)" for b in sorted(known)}
+        rounds_done = [prior_rounds] if prior_rounds is not None else []
+        for b in todo:
             start, rounds = time.perf_counter(), 0
             while rounds < self.calibration_rounds:
                 r0 = time.perf_counter()
@@ -456,39 +475,61 @@ class AutoPolicy(SpeculationPolicy):
                 if now - start + (now - r0) > share:
                     break
             per_bucket[b] = rounds
-        rounds = min(per_bucket.values())
+            rounds_done.append(rounds)
+            medians.update({(b, o): float(np.median(samples[(b, o)])) for o in self.options()})
+            if on_progress is not None and b != todo[-1]:
+                on_progress(self._record(medians, min(rounds_done), prior_wall + time.perf_counter() - t0, partial=True))
         self.calibration = Calibration(
-            _monotone({k: float(np.median(v)) for k, v in samples.items()}, buckets, self.shapes),
-            rounds, time.perf_counter() - t0, self.calibration_budget_s,
+            _monotone(medians, buckets, self.shapes),
+            min(rounds_done), prior_wall + time.perf_counter() - t0, self.calibration_budget_s,
         )
-        return (f"calibrated {len(keys)} steps ({len(buckets)} batch buckets x {len(self.options())} options) in "
-                f"{self.calibration.wall_s:.1f} s (rounds after a warm-up per bucket: "
-                + ", ".join(f"{b}: {n}" for b, n in per_bucket.items()) + f"; budget {self.calibration_budget_s:g} s); "
+        resumed = f"; {len(known)} buckets resumed from an earlier run" if known else ""
+        return (f"calibrated {len(keys)} steps ({len(todo)} batch buckets x {len(self.options())} options{resumed}) in "
+                f"{time.perf_counter() - t0:.1f} s (rounds after a warm-up per bucket: "
+                + ", ".join(f"{b}: {per_bucket[b]}" for b in sorted(per_bucket)) + f"; budget {self.calibration_budget_s:g} s); "
                 f"predicted best: "
                 + ", ".join(f"{b}: {_name(self.best(b))}" for b in buckets))
+
+    def _record(self, seconds: dict, rounds: int, wall_s: float, partial: bool = False) -> dict:
+        buckets = sorted({b for b, _ in seconds})
+        return {"options": [_name(o) for o in self.options()], "buckets": buckets, "rounds": rounds, "wall_s": wall_s,
+                "budget_s": self.calibration_budget_s, "partial": partial,
+                "seconds": [[seconds[(b, o)] for o in self.options()] for b in buckets]}
+
+    def _record_rows(self, record: dict, buckets: Sequence[int]) -> dict:
+        """{bucket: {option: seconds}} of ``record`` for those of ``buckets`` it holds;
+        {} when it is of another option set or layout (then everything is measured)."""
+        try:
+            names, got, seconds = record["options"], record["buckets"], record["seconds"]
+            if names != [_name(o) for o in self.options()]:
+                return {}
+            rows = {int(b): {o: float(s) for o, s in zip(self.options(), row, strict=True)}
+                    for b, row in zip(got, seconds, strict=True)}
+        except (KeyError, TypeError, ValueError):  # a record of another layout: measure instead
+            return {}
+        return {b: row for b, row in rows.items() if b in set(buckets) and all(s > 0 for s in row.values())}
 
     def calibration_record(self) -> dict | None:
         if self.calibration is None:
             return None
-        c, names = self.calibration, [_name(o) for o in self.options()]
-        buckets = sorted({b for b, _ in c.seconds})
-        return {"options": names, "buckets": buckets, "rounds": c.rounds, "wall_s": c.wall_s, "budget_s": c.budget_s,
-                "seconds": [[c.seconds[(b, o)] for o in self.options()] for b in buckets]}
+        c = self.calibration
+        return self._record(c.seconds, c.rounds, c.wall_s)
 
     def restore_calibration(self, record: dict, buckets: Sequence[int]) -> str | None:
+        if not isinstance(record, dict):
+            return None
+        rows = self._record_rows(record, buckets)
+        if record.get("partial") or sorted(rows) != sorted(buckets):
+            return None  # part of it, at most: calibrate(resume=record) measures the rest
         try:
-            names, got, seconds = record["options"], record["buckets"], record["seconds"]
-            if names != [_name(o) for o in self.options()] or got != sorted(buckets):
-                return None
-            table = {(b, o): float(s) for b, row in zip(got, seconds, strict=True)
-                     for o, s in zip(self.options(), row, strict=True)}
-            if not all(s > 0 for s in table.values()):
-                return None
-            self.calibration = Calibration(table, int(record["rounds"]), float(record["wall_s"]), float(record["budget_s"]))
+            table = {(b, o): s for b, row in rows.items() for o, s in row.items()}
+            self.calibration = Calibration(_monotone(table, buckets, self.shapes), int(record["rounds"]),
+                                           float(record["wall_s"]), float(record["budget_s"]))
         except (KeyError, TypeError, ValueError):  # a record of another layout: measure instead
             return None
         return (f"calibration of {len(table)} steps read from the cache (measured in {self.calibration.wall_s:.1f} s, "
-                f"{self.calibration.rounds} rounds); predicted best: " + ", ".join(f"{b}: {_name(self.best(b))}" for b in got))
+                f"{self.calibration.rounds} rounds); predicted best: "
+                + ", ".join(f"{b}: {_name(self.best(b))}" for b in sorted(buckets)))
 
     # -- the engine's calls
 
