@@ -303,6 +303,16 @@ def cmd_serve(args) -> int:
                  shutdown_timeout=args.shutdown_timeout)
 
 
+def _note_background(engine) -> None:
+    """A run that ended before its background compile did says so: it decoded plainly
+    throughout, and what was compiled and calibrated is kept for the next start."""
+    left = engine.background_progress()
+    if left is not None:
+        log.info("the run ended before speculation was ready (%s): %d steps ran plain; the graphs compiled and the "
+                 "calibration measured so far are kept, so the next start-up of this command continues from them",
+                 left, engine.metrics.plain_steps)
+
+
 def cmd_generate(args) -> int:
     import jax
 
@@ -362,6 +372,7 @@ def cmd_generate(args) -> int:
         if not lead:
             return 0
         print()
+        _note_background(engine)
         summary = engine.metrics.summary()
         if args.verbose:
             for line in _policy_lines(summary):
@@ -374,6 +385,7 @@ def cmd_generate(args) -> int:
         )
         return 0
     completions = engine.generate(prompts, params)
+    _note_background(engine)
     if args.verbose:
         for line in _policy_lines(engine.metrics.summary()):
             log.info(line)

@@ -4,7 +4,7 @@ again), with the speculative steps compiled before serving (the default) and wit
 ``--background-compile``.
 
     python scripts/bench_startup.py [--batch-size 16] [--prompts 24] [--max-new-tokens 64]
-                                    [--modes blocking background] [--out results/startup]
+                                    [--modes blocking background] [--runs 2] [--out results/startup]
 
 Each run gets the first ``--prompts`` held-out prompts of data/prompts/heldout-prompts.jsonl
 and the CLI's defaults otherwise (auto with the released draft). Reported per run, from
@@ -46,8 +46,7 @@ def run_once(args, mode: str, cache: Path, prompt_file: Path, out_jsonl: Path) -
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache / "jax"), EAGLE_JAX_CALIBRATION_DIR=str(cache / "calibration"))
     cmd = [sys.executable, "-m", "eagle_jax.cli", "-v", "generate", "--prompt-file", str(prompt_file), "--output", str(out_jsonl),
            "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens)]
-    if mode == "background":
-        cmd.append("--background-compile")
+    cmd.append("--background-compile" if mode == "background" else "--no-background-compile")
     t0 = time.perf_counter()
     # stderr read as it comes, to time when the engine said it was ready (start-up: model
     # load, compile, calibration; before the first request is admitted).
@@ -91,8 +90,13 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--modes", nargs="+", choices=("blocking", "background"), default=["blocking", "background"])
+    p.add_argument("--runs", type=int, default=2,
+                   help="runs per mode: cold, then warm ones over the same caches (3: a second warm run, which "
+                        "shows what a cut-off background calibration left to the next)")
     p.add_argument("--out", type=Path, default=REPO / "results" / "startup")
     args = p.parse_args()
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     records = (REPO / "data" / "prompts" / "heldout-prompts.jsonl").read_text().splitlines()[: args.prompts]
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     prompt_file = work / "prompts.jsonl"
@@ -103,7 +107,7 @@ def main() -> int:
     reference = None
     for mode in args.modes:
         cache = work / f"cache-{mode}"
-        for temp in ("cold", "warm"):
+        for temp in (["cold", "warm"] + [f"warm {i}" for i in range(2, args.runs)])[: args.runs]:
             print(f"[{mode} {temp}] eagle-jax generate --batch-size {args.batch_size} ...", file=sys.stderr, flush=True)
             row = run_once(args, mode, cache, prompt_file, work / f"{mode}-{temp}.jsonl")
             ids = row.pop("token_ids")

@@ -223,6 +223,85 @@ def test_default_candidates_are_pruned_by_the_cards_prior(tmp_path):
     assert default_policy(EngineConfig(spec_policy="auto"), tmp_path / "none").shapes == defaults
 
 
+def test_a_draft_step_share_counts_the_weights_a_step_reads(smollm2_dir):
+    """The released draft against SmolLM2-135M, counted from the architecture: a target
+    step reads 30 layers and the (tied) LM head, not the embedding gather; a draft step
+    reads its fused input projection, one layer over [embedding, hidden] and its own
+    vocabulary's head. Routed experts count at k / n; embeddings never."""
+    import types
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from eagle_jax.checkpoint.load import load_models
+    from eagle_jax.serving.policy import draft_step_share
+
+    draft_dir = smollm2_dir.parent / "smollm2-135m-instruct-eagle3"
+    if not draft_dir.is_dir():  # the imported copy lives elsewhere: the released draft is in the repo
+        from conftest import REPO_ROOT
+
+        draft_dir = REPO_ROOT / "checkpoints" / "smollm2-135m-instruct-eagle3"
+    target, draft = load_models(str(smollm2_dir), str(draft_dir), "float32")
+    h, i, kv, layers, vocab, dvocab = 576, 1536, 192, 30, 49152, draft.config.draft_vocab_size
+    layer = lambda d_in: d_in * h + 2 * d_in * kv + h * h + 3 * h * i  # noqa: E731  q, k, v, o, MLP
+    target_read = layers * (layer(h) + 2 * h) + h + h * vocab
+    draft_read = 3 * h * h + layer(2 * h) + 3 * h + h + h * dvocab  # fc, the layer, its 3 norms, final norm, head
+    assert draft_step_share(target, draft) == pytest.approx(draft_read / target_read, rel=1e-12)
+    assert 0.07 < draft_step_share(target, draft) < 0.075  # the 2-core CPU measured 0.12: a lower bound
+
+    class Fake(nnx.Module):
+        def __init__(self, experts: bool):
+            self.config = types.SimpleNamespace(n_routed_experts=8, num_experts_per_tok=2) if experts else None
+            self.dense = nnx.Param(jnp.zeros((4, 4)))
+            self.embed_tokens = nnx.Param(jnp.zeros((100, 4)))
+            if experts:
+                self.experts = nnx.Param(jnp.zeros((8, 4, 4)))
+
+    assert draft_step_share(Fake(experts=True), Fake(experts=False)) == pytest.approx(16 / (16 + 128 * 2 / 8))
+
+
+def test_the_draft_share_is_the_pruning_floor(tmp_path):
+    """With the models' draft step share, a default candidate whose deepest step the card
+    expects to accept less often than that share is left out (it can never pay); the
+    start-up line says under what."""
+    from eagle_jax.serving.config import default_policy
+
+    card = tmp_path / "draft"
+    card.mkdir()
+    (card / "training.json").write_text(json.dumps({"final_eval": {"acc": [0.545, 0.479, 0.455, 0.431]}}))  # v3
+    loose = default_policy(EngineConfig(spec_policy="auto"), card)
+    assert [s.shape for s in loose.pruned] == ["chain S=5"]  # depth 4 at 0.051 passes 0.05
+    tight = default_policy(EngineConfig(spec_policy="auto"), card, draft_share=0.0729)
+    assert [s.shape for s in tight.pruned] == ["chain S=4", "chain S=5", "tree S=4 k=4 T=12"]
+    assert [s.shape for s in tight.shapes] == ["chain S=1", "chain S=2", "chain S=3", "tree S=2 k=4 T=6",
+                                               "tree S=3 k=4 T=8"]
+    assert "deepest step expected to accept < 0.0729)" in tight.describe()
+    listed = default_policy(EngineConfig(spec_policy="auto", spec_shapes=parse_shapes(DEFAULT_AUTO_SHAPES)), card,
+                            draft_share=0.5)
+    assert listed.pruned == ()  # what the user lists is compiled
+
+
+def test_the_engine_prunes_its_default_candidates_by_the_loaded_models(tmp_path):
+    from eagle_jax.checkpoint.draft_io import save_draft
+    from eagle_jax.serving.policy import draft_step_share
+
+    tdir, ddir = tmp_path / "target", tmp_path / "draft"
+    make_hf_model("llama3", seed=5).save_pretrained(tdir, safe_serialization=True)
+    write_word_tokenizer(tdir, 211)
+    save_draft(random_draft(load_model(tdir).config, seed=1, draft_vocab_size=128), ddir)
+    rates = [0.95, 0.9, 0.45, 0.3, 0.3]  # depth gains 0.95, 0.855, 0.385, 0.115, 0.035
+    (ddir / "training.json").write_text(json.dumps({"final_eval": {"acc": rates}}))
+    eng = Engine(str(tdir), str(ddir), EngineConfig(max_batch=1, max_seq_len=32, prompt_buckets=(16,),
+                                                    spec_calibration_s=0.2, calibration_cache=False), progress=False)
+    share = draft_step_share(eng.target, eng.draft)
+    # This tiny pair's draft is large against its target (0.41): depths 1-2 kept, the
+    # rest left out (the fixed floor of 0.05 would have kept depths 1-4).
+    assert 0.385 < share < 0.855, share
+    assert eng.policy.pruned_below == pytest.approx(share)
+    assert [s.shape for s in eng.policy.shapes] == ["chain S=1", "chain S=2", "tree S=2 k=4 T=6"]
+    assert set(eng.table.shapes) == set(eng.policy.shapes)  # nothing else compiled
+
+
 def test_bad_settings_and_shapes_are_named(tmp_path):
     assert parse_shapes("chain S=1, tree S=3 k=4 T=8,chain S=1") == (CHAINS[0], TREE)
     with pytest.raises(ConfigError, match="'chain S=x' is not"):

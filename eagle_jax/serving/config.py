@@ -12,7 +12,7 @@ from eagle_jax.errors import ConfigError
 from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
 from eagle_jax.serving.policy import (
-    DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
+    AUTO_MIN_DEPTH_GAIN, DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
     policy_shapes, prune_by_prior,
 )
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, default_shape
@@ -74,8 +74,10 @@ class EngineConfig:
       spec_shapes: the candidates of the "auto" policy (default
         ``policy.DEFAULT_AUTO_SHAPES``, with ``speculative``'s sampling settings, or the
         defaults when it is None; with a draft's model card, the defaults whose deepest
-        step its acceptance prior expects to pay are kept (``policy.prune_by_prior``):
-        the others are never compiled. Shapes given here are all compiled).
+        step its acceptance prior expects to accept at least as often as a draft step
+        costs against a plain step (``policy.prune_by_prior`` under
+        ``policy.draft_step_share`` of the loaded models) are kept: the others can never
+        pay, and are never compiled. Shapes given here are all compiled).
       spec_calibration_s: the "auto" policy's start-up timing budget in seconds.
       spec_calibration_context: the committed positions of every row while the "auto"
         policy times the steps (default ``max_seq_len // 2``): a tree's verify attends
@@ -227,10 +229,14 @@ class EngineConfig:
         object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))
 
 
-def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *, has_draft: bool = True) -> SpeculationPolicy:
+def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *, has_draft: bool = True,
+                   draft_share: float | None = None) -> SpeculationPolicy:
     """The policy an ``EngineConfig`` implies (``spec_policy``): the measured cost model
     (with the model card of the draft in ``draft_dir`` as its prior), the fixed shape,
-    the threshold cutoff, or plain; plain under "auto" when there is no draft."""
+    the threshold cutoff, or plain; plain under "auto" when there is no draft.
+    ``draft_share``: a draft step's least cost as a share of a plain step
+    (``policy.draft_step_share`` of the loaded models), the depth gain under which auto's
+    default candidates are left out (``AUTO_MIN_DEPTH_GAIN`` when not given)."""
     name = config.spec_policy
     if name == "plain" or (name == "auto" and not has_draft):
         return PlainPolicy()
@@ -239,13 +245,15 @@ def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *,
         fields = dict(sampling_verify=s.sampling_verify, threshold_single=s.threshold_single, threshold_acc=s.threshold_acc)
         prior = card_acceptance(draft_dir) if draft_dir is not None else None
         shapes, pruned = config.spec_shapes, ()
+        floor = AUTO_MIN_DEPTH_GAIN if draft_share is None else draft_share
         if shapes is None:
             shapes = parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
             # The default candidates only: shapes the user listed are all compiled.
             if prior is not None:
-                shapes, pruned = prune_by_prior(shapes, prior)
+                shapes, pruned = prune_by_prior(shapes, prior, min_gain=floor)
         return AutoPolicy(shapes, prior=prior, hysteresis=config.spec_hysteresis_steps,
-                          calibration_budget_s=config.spec_calibration_s, pruned=pruned)
+                          calibration_budget_s=config.spec_calibration_s, pruned=pruned,
+                          pruned_below=floor)
     if name == "fixed":
         return FixedPolicy(config.speculative)
     return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)

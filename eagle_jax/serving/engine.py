@@ -74,7 +74,7 @@ from eagle_jax.serving.calibration import CalibrationCache
 from eagle_jax.serving.config import EngineConfig, default_policy, resolve_draft_sync
 from eagle_jax.serving.executor import Executor, StepResult
 from eagle_jax.serving.metrics import EngineMetrics, compile_count, shape_name
-from eagle_jax.serving.policy import SpeculationPolicy, policy_shapes
+from eagle_jax.serving.policy import AutoPolicy, SpeculationPolicy, draft_step_share, policy_shapes
 from eagle_jax.serving.requests import Completion, Request, RequestProgress, check_prompt
 from eagle_jax.serving.scheduler import Scheduler
 from eagle_jax.spec.config import SpeculativeConfig
@@ -294,6 +294,14 @@ class Engine:
     def speculation_ready(self) -> bool:
         """False while the speculative steps compile in the background (plain steps run)."""
         return self._background is None
+
+    def background_progress(self) -> str | None:
+        """None once speculation is ready (or with no background compile); else what the
+        background thread has left, for a run that ends before it is done."""
+        if self._background is None:
+            return None
+        left = self.table.speculative_pending
+        return f"{left} speculative graphs still to compile" if left else "the policy still calibrating"
 
     def poll_background(self) -> bool:
         """On the engine's thread: once the background thread has compiled the
@@ -559,8 +567,12 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
     if draft is None and policy is None and config.spec_policy in ("fixed", "threshold"):
         raise ConfigError(f"spec_policy={config.spec_policy!r} speculates ({config.speculative.shape}) but no draft "
                           "was given (pass draft=, or spec_policy='plain')")
-    if policy is None:
-        policy = default_policy(config, draft if isinstance(draft, (str, Path)) else None, has_draft=draft is not None)
+    # The default policy is built again once the models are loaded, when their sizes can
+    # prune auto's candidates (draft_step_share); this one serves the checks before.
+    default = policy is None
+    draft_dir = draft if isinstance(draft, (str, Path)) else None
+    if default:
+        policy = default_policy(config, draft_dir, has_draft=draft is not None)
     if not isinstance(policy, SpeculationPolicy):
         raise ConfigError(f"policy must be a SpeculationPolicy (eagle_jax.serving.policy), got {type(policy).__name__}")
     shapes = policy_shapes(policy)
@@ -589,6 +601,9 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
                     "bfloat16 path, or use float32")
     if draft is not None:
         check_compatible(draft.config, target.config)
+        if default and isinstance(policy, AutoPolicy):
+            policy = default_policy(config, draft_dir, has_draft=True, draft_share=draft_step_share(target, draft))
+            shapes = policy_shapes(policy)
         for s in shapes:
             if s.topk > draft.config.draft_vocab_size:
                 raise ConfigError(
