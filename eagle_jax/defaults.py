@@ -76,18 +76,32 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# The largest prefill chunk compiled by default (EngineConfig.prompt_buckets): longer
-# prompts go in several chunks. Chosen by measurement (docs/measuring.md, prefill
-# chunks): it bounds the prefill work an engine step adds while other requests decode.
+# The largest prefill chunk compiled by default (EngineConfig.prompt_buckets, the CLI's
+# prompt_buckets_for): longer prompts go in several chunks. On a CPU, 128: prefill is
+# compute-bound from 64 rows on, and a larger chunk adds attention over its own tokens
+# (dense within the chunk) without a faster product (scripts/bench_prefill.py, 2-core
+# AMD EPYC: a 1,024-token prompt in 3.69 s in chunks of 128, 4.23 s in chunks of 512;
+# docs/measuring.md, prefill chunks); the fewer chunk lengths are also fewer graphs to
+# compile. Elsewhere 512 (not measured on an accelerator yet).
 DEFAULT_MAX_CHUNK = 512
+CPU_MAX_CHUNK = 128
 
 
-def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_chunk: int = DEFAULT_MAX_CHUNK) -> tuple[int, ...]:
+def default_max_chunk(backend: str | None = None) -> int:
+    """The largest default prefill chunk on ``backend`` (default: JAX's default backend)."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return CPU_MAX_CHUNK if backend == "cpu" else DEFAULT_MAX_CHUNK
+
+
+def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_chunk: int | None = None) -> tuple[int, ...]:
     """Prefill chunk lengths: powers of two from ``smallest`` up to the one that holds
-    ``longest``, capped at ``max_chunk`` and ``max_seq_len`` (a longer prompt goes in
-    several chunks), so a short prompt in a file of long documents costs what it costs
-    alone."""
-    top = min(pow2_at_least(longest), max_seq_len, max_chunk)
+    ``longest``, capped at ``max_chunk`` (default ``default_max_chunk()``) and
+    ``max_seq_len`` (a longer prompt goes in several chunks), so a short prompt in a file
+    of long documents costs what it costs alone."""
+    top = min(pow2_at_least(longest), max_seq_len, default_max_chunk() if max_chunk is None else max_chunk)
     out, v = [], min(smallest, top)
     while v < top:
         out.append(v)

@@ -363,15 +363,20 @@ def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
 def test_cli_prompt_buckets_follow_the_longest_prompt():
     """Each prompt is prefilled in chunks of powers of two up to the largest chunk: a file
     of 40-token questions and 1,000-token documents keeps a 64-token chunk for the
-    questions, and the documents go in chunks of at most DEFAULT_MAX_CHUNK."""
+    questions, and the documents go in chunks of at most default_max_chunk(): 128 on a
+    CPU (measured: larger chunks prefill no faster there), 512 elsewhere."""
     from eagle_jax.cli import prompt_buckets_for
-    from eagle_jax.defaults import DEFAULT_MAX_CHUNK
+    from eagle_jax.defaults import default_max_chunk
+    from eagle_jax.serving.engine import EngineConfig
 
-    assert DEFAULT_MAX_CHUNK == 512
+    assert default_max_chunk("cpu") == 128 and default_max_chunk("gpu") == default_max_chunk("tpu") == 512
+    assert default_max_chunk() == 128  # the tests run on a CPU
     assert prompt_buckets_for(40, 2048) == (64,)
-    assert prompt_buckets_for(1000, 2048) == (64, 128, 256, 512)
+    assert prompt_buckets_for(1000, 2048) == (64, 128)
+    assert EngineConfig(max_seq_len=2048).prompt_buckets == (64, 128)
     assert prompt_buckets_for(1000, 2048, max_chunk=1024) == (64, 128, 256, 512, 1024)
-    assert prompt_buckets_for(1500, 384) == (64, 128, 256, 384)
+    assert prompt_buckets_for(1500, 384, max_chunk=512) == (64, 128, 256, 384)
+    assert prompt_buckets_for(1500, 100) == (64, 100)
     assert prompt_buckets_for(10, 16) == (16,)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from eagle_jax.defaults import DEFAULT_MAX_CHUNK
+from eagle_jax.defaults import default_max_chunk
 from eagle_jax.errors import ConfigError
 from eagle_jax.kernels.plan import check_kernel_impl
 from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
@@ -39,7 +39,8 @@ class EngineConfig:
       max_seq_len: context of one request (prompt + new tokens).
       batch_buckets: padded batch sizes compiled (default powers of two up to max_batch).
       prompt_buckets: the prefill chunk lengths compiled (default powers of two from 64
-        up to ``min(max_seq_len, DEFAULT_MAX_CHUNK)``). A prompt is prefilled in chunks
+        up to ``min(max_seq_len, defaults.default_max_chunk())``: 128 on a CPU, 512
+        elsewhere). A prompt is prefilled in chunks
         of these (``scheduler.chunk_plan``): full chunks of the largest that fit, then one
         that pads by less than the smallest, so a prompt costs what its own length costs
         and any prompt shorter than ``max_seq_len`` is served.
@@ -170,7 +171,7 @@ class EngineConfig:
         if self.batch_buckets is None:
             object.__setattr__(self, "batch_buckets", _powers_of_two(1, self.max_batch))
         if self.prompt_buckets is None:
-            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), min(self.max_seq_len, DEFAULT_MAX_CHUNK)))
+            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), min(self.max_seq_len, default_max_chunk())))
         for name, top in (("batch_buckets", self.max_batch), ("prompt_buckets", self.max_seq_len)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)
