@@ -562,16 +562,22 @@ def _exe_table(vocab: int, **over) -> StepTable:
                                                       max_seq_len=vocab - 20), **over})
 
 
-def test_a_second_table_loads_every_graph_from_the_executable_cache_untraced():
+def test_a_second_table_loads_every_graph_from_the_executable_cache_untraced(monkeypatch):
     """The executable cache (runtime.executable_cache, on wherever JAX's cache is: the test
     session's here): a first table stores every graph; a second of the same configuration
     loads every one without tracing or lowering (the report says so, graph by graph) and
-    computes what the first does; the start-up line counts them."""
+    computes what the first does; the start-up line counts them, and its memory figures
+    come from the cache (no loaded executable is analysed again: 20 ms a graph)."""
     first = _exe_table(83)
     a = first.build()
     assert first.executable_cache is not None and a.loaded == 0 and first.executable_cache.written == a.graphs
     second = _exe_table(83)
+    analysed = []
+    real = jax.stages.Compiled.memory_analysis
+    monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", lambda self: analysed.append(1) or real(self))
     b = second.build()
+    assert analysed == []
+    assert a.max_temp_bytes > 0 and (b.max_temp_bytes, b.code_bytes) == (a.max_temp_bytes, a.code_bytes)
     assert b.loaded == b.cache_hits == b.graphs
     assert all(t.loaded and t.trace_s == 0 and t.lower_s == 0 for t in b.timings)
     assert f"{b.graphs} of {b.graphs} loaded untraced from the executable cache" in b.describe()

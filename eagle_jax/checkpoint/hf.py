@@ -106,7 +106,9 @@ def read_tensors(files: dict[str, Path], wanted: dict[str, tuple[int, ...]]) -> 
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
         try:
-            with safe_open(file, framework="flax") as f:
+            # numpy, not flax: a flax read makes each tensor a device array only for
+            # np.asarray to copy it back (about half a second of a SmolLM2 start-up).
+            with safe_open(file, framework="numpy") as f:
                 for name in names:
                     out[name] = np.asarray(f.get_tensor(name))
         except (SafetensorError, OSError) as e:

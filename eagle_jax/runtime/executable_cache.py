@@ -21,7 +21,9 @@ next time it compiles cold.
 
 An entry holds the executable as ``jax.experimental.serialize_executable`` writes it
 (native code, like JAX's own cache entries, and as trusted: both live in the user's cache
-directory and are never read from a checkpoint or a download). An entry that cannot be
+directory and are never read from a checkpoint or a download), and its memory analysis
+(scratch and code bytes, for the start-up line: asking a loaded executable again cost
+about 20 ms a graph, a second of a warm start at batch 16). An entry that cannot be
 read is reported with a warning and compiled again, never a crash. The cache lives beside
 JAX's (``<jax_compilation_cache_dir>/eagle-jax-executables``), is on wherever that one is
 (the CLI turns it on, ``defaults.enable_compilation_cache``), and is off with
@@ -47,8 +49,8 @@ import jax
 
 from eagle_jax.environment import source_digest
 
-FORMAT = 1
-MAGIC = b"EJXEXE1\n"
+FORMAT = 2
+MAGIC = b"EJXEXE2\n"
 
 
 def cache_root() -> Path | None:
@@ -115,8 +117,9 @@ class ExecutableCache:
     def has(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def load(self, key: str, name: str):
-        """The compiled executable stored under ``key``, or None (not stored, or unreadable:
+    def load(self, key: str, name: str) -> tuple[Any, dict | None] | None:
+        """(the compiled executable stored under ``key``, its memory analysis as stored:
+        ``{"temp": bytes, "code": bytes}`` or None), or None (not stored, or unreadable:
         then a warning names ``name`` and the file, which is removed)."""
         path = self._path(key)
         try:
@@ -128,7 +131,7 @@ class ExecutableCache:
                           stacklevel=2)
             return None
         try:
-            payload, in_tree, out_tree = _unframe(data)
+            payload, in_tree, out_tree, memory = _unframe(data)
             from jax.experimental import serialize_executable
 
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
@@ -137,10 +140,11 @@ class ExecutableCache:
                           f"({type(e).__name__}: {e}); compiling it again", stacklevel=2)
             path.unlink(missing_ok=True)
             return None
-        return compiled
+        return compiled, memory
 
-    def store(self, key: str, compiled, name: str) -> bool:
-        """Write ``compiled`` under ``key`` (atomically); False, with a debug log, when the
+    def store(self, key: str, compiled, name: str, memory: dict | None = None) -> bool:
+        """Write ``compiled`` under ``key`` (atomically), with its ``memory`` analysis
+        (``{"temp": bytes, "code": bytes}``; None: not known); False, with a debug log, when the
         executable cannot be serialized: one holding constants, or one that calls back into
         Python (the Pallas interpreter on CPU, ``jax.pure_callback``): its callbacks are
         closures of this process, and pickling them fails (AttributeError in Python 3.12)
@@ -162,7 +166,8 @@ class ExecutableCache:
         manifest = self.dir / "manifest.json"
         if not manifest.exists():
             _atomic_write(manifest, self._text.encode())
-        _atomic_write(self._path(key), _frame(payload, pickle.dumps(in_tree), pickle.dumps(out_tree)))
+        _atomic_write(self._path(key), _frame(payload, pickle.dumps(in_tree), pickle.dumps(out_tree),
+                                              json.dumps(memory).encode()))
         self.written += 1
         return True
 
@@ -206,11 +211,11 @@ def _frame(*parts: bytes) -> bytes:
     return MAGIC + b"".join(struct.pack("<Q", len(p)) + p for p in parts)
 
 
-def _unframe(data: bytes) -> tuple[bytes, Any, Any]:
+def _unframe(data: bytes) -> tuple[bytes, Any, Any, dict | None]:
     if not data.startswith(MAGIC):
         raise ValueError("not an eagle-jax executable file")
     parts, at = [], len(MAGIC)
-    for _ in range(3):
+    for _ in range(4):
         if at + 8 > len(data):
             raise ValueError("truncated")
         (n,) = struct.unpack_from("<Q", data, at)
@@ -223,7 +228,10 @@ def _unframe(data: bytes) -> tuple[bytes, Any, Any]:
         raise ValueError("trailing bytes")
     # The trees name the step table's own pytree classes (SpecState, SamplingArrays); the
     # file is this user's cache, as trusted as the native code it holds.
-    return parts[0], pickle.loads(parts[1]), pickle.loads(parts[2])
+    memory = json.loads(parts[3])
+    if memory is not None and not (isinstance(memory, dict) and all(isinstance(memory.get(k), int) for k in ("temp", "code"))):
+        raise ValueError(f"memory record {memory!r}")
+    return parts[0], pickle.loads(parts[1]), pickle.loads(parts[2]), memory
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

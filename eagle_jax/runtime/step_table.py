@@ -171,6 +171,18 @@ class BuildReport:
                          f"compile {t.compile_s:.1f}{how(t)})" for t in top)
 
 
+def _memory_analysis(graph) -> dict | None:
+    """``{"temp": scratch bytes, "code": code bytes}`` of a compiled graph, or None where the
+    backend does not say."""
+    try:
+        m = graph.memory_analysis()
+    except (AttributeError, NotImplementedError):  # a backend without the analysis
+        return None
+    if m is None:
+        return None
+    return {"temp": int(m.temp_size_in_bytes), "code": int(m.generated_code_size_in_bytes)}
+
+
 def _is_speculative(key: tuple) -> bool:
     """A speculative step's graph (or one of its phases), as keyed by ``StepTable._define``."""
     return key[0] in ("draft", "verify") or (key[0] == "step" and key[2] is not None)
@@ -590,6 +602,7 @@ class StepTable:
         cache = self.executable_cache
         t0 = time.perf_counter()
         timings = []
+        memories: list[dict] = []  # each graph's memory analysis, taken on the worker threads
         in_flight: collections.deque = collections.deque()
 
         def noted(e: Exception, name: str) -> Exception:
@@ -598,17 +611,21 @@ class StepTable:
 
         def compile_and_store(job, lowered, exe_key, name):
             graph, seconds, hit = job.compile(lowered)
+            memory = _memory_analysis(graph)
             # Only what XLA compiled here: an executable JAX read back from its own cache
             # serializes without its kernels on XLA:CPU (the loaded copy then fails with
             # "Function ... not found"), so it is left to the next cold compile.
             if exe_key is not None and not hit:
-                cache.store(exe_key, graph, name)
-            return graph, seconds, hit, False
+                cache.store(exe_key, graph, name, memory)
+            return graph, seconds, hit, False, memory
 
         def load(exe_key, name):
             t = time.perf_counter()
-            graph = cache.load(exe_key, name)
-            return graph, time.perf_counter() - t, graph is not None, graph is not None
+            got = cache.load(exe_key, name)
+            if got is None:
+                return None, time.perf_counter() - t, False, False, None
+            graph, memory = got
+            return graph, time.perf_counter() - t, True, True, memory if memory is not None else _memory_analysis(graph)
 
         def lowered(name, job):
             try:
@@ -619,13 +636,15 @@ class StepTable:
         def finish(bar, task) -> None:
             name, key, job, exe_key, trace_s, lower_s, future = in_flight.popleft()
             try:
-                graph, compile_s, hit, loaded = future.result()
+                graph, compile_s, hit, loaded, memory = future.result()
                 if graph is None:  # an unreadable cache entry (warned): compile it here
                     low, trace_s, lower_s = lowered(name, job)
-                    graph, compile_s, hit, loaded = compile_and_store(job, low, exe_key, name)
+                    graph, compile_s, hit, loaded, memory = compile_and_store(job, low, exe_key, name)
             except Exception as e:
                 raise noted(e, name)
             self._graphs[key] = graph  # one assignment: a reader on another thread sees it whole or not at all
+            if memory is not None:
+                memories.append(memory)
             timings.append(GraphTiming(name, trace_s, lower_s, compile_s, hit, loaded))
             log.debug("compiled %s in %.1f s (trace %.2f, lower %.2f, compile %.2f%s)", name, timings[-1].total_s,
                       trace_s, lower_s, compile_s,
@@ -660,16 +679,8 @@ class StepTable:
             cache.touch()
             for gone in cache.prune():
                 log.info("executable cache: dropped %s (least recently used, over the size limit)", gone)
-        temps, code = [0], 0
-        for _, key, _ in jobs:
-            try:
-                m = self._graphs[key].memory_analysis()
-            except (AttributeError, NotImplementedError):  # a backend without the analysis
-                continue
-            if m is not None:
-                temps.append(int(m.temp_size_in_bytes))
-                code += int(m.generated_code_size_in_bytes)
-        report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs], max(temps), code, timings,
+        report = BuildReport(len(jobs), time.perf_counter() - t0, [j[0] for j in jobs],
+                             max([0] + [m["temp"] for m in memories]), sum(m["code"] for m in memories), timings,
                              workers)
         log.debug("slowest graphs: %s", report.slowest())
         return report
