@@ -35,6 +35,7 @@ recompiling: after ``build`` this table cannot compile, by construction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -299,6 +300,11 @@ class StepTable:
         self.report: BuildReport | None = None
         # Speculative graphs left to build_later (build(speculative_later=True)).
         self._later: list[tuple[str, tuple, Callable]] = []
+
+    @functools.cached_property
+    def params_signature(self) -> str:
+        """``describe_tree`` of the bound parameters, for the graphs' signatures."""
+        return "params:" + describe_tree(self.params)
 
     def _manifest(self) -> dict:
         """What every graph of this table depends on besides its own signature (the
@@ -838,7 +844,9 @@ class _GraphJob:
         arguments' shapes, dtypes and shardings, its in and out shardings, its donation,
         and the spec of an output its arguments do not determine (the executable cache's
         per-graph key)."""
-        return f"{describe_tree(self.args)}\0{self.in_sh!r}\0{self.out_sh!r}\0{self.donate!r}\0{self.output!r}"
+        # The parameters (most leaves, in most graphs' arguments) are described once a table.
+        args = tuple(self.table.params_signature if a is self.table.params else a for a in self.args)
+        return f"{describe_tree(args)}\0{self.in_sh!r}\0{self.out_sh!r}\0{self.donate!r}\0{self.output!r}"
 
     def lower(self):
         """(lowered, trace seconds, lower seconds)."""
