@@ -281,6 +281,30 @@ def test_the_draft_share_is_the_pruning_floor(tmp_path):
     assert listed.pruned == ()  # what the user lists is compiled
 
 
+def test_a_policy_whose_calibrate_predates_resume_still_calibrates(monkeypatch):
+    """SpeculationPolicy.calibrate gained keyword arguments (resume, on_progress); a policy
+    written against the old signature is called without them, not broken."""
+    from eagle_jax.serving import engine as engine_module
+
+    class OldStyle(AutoPolicy):
+        def calibrate(self, time_step, buckets):  # the signature before resume/on_progress
+            return super().calibrate(time_step, buckets)
+
+    class FakeTable:
+        @staticmethod
+        def time_step(bucket, shape, context=0):
+            return _times(plain_ms=10, per_token_ms=3)(bucket, shape)
+
+        @staticmethod
+        def describe():
+            return "fake"
+
+    config = EngineConfig(max_batch=2, max_seq_len=64, batch_buckets=(1, 2), calibration_cache=False)
+    for policy in (OldStyle(CHAINS[:2], prior=[0.6]), AutoPolicy(CHAINS[:2], prior=[0.6])):
+        line = engine_module._calibrate(policy, FakeTable(), config, None, None)
+        assert "calibrated" in line and policy.calibration is not None
+
+
 def test_the_engine_prunes_its_default_candidates_by_the_loaded_models(tmp_path):
     from eagle_jax.checkpoint.draft_io import save_draft
     from eagle_jax.serving.policy import draft_step_share

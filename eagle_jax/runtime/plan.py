@@ -19,6 +19,15 @@ from eagle_jax.kernels import cpu_matmul
 from eagle_jax.kernels.plan import ExecutionPlan, check_kernel_impl
 
 
+def default_max_chunk(backend: str | None = None) -> int:
+    """The largest default prefill chunk on ``backend`` (default: JAX's default backend):
+    ``defaults.CPU_MAX_CHUNK`` on a CPU (measured: larger chunks prefill no faster there),
+    ``defaults.DEFAULT_MAX_CHUNK`` elsewhere."""
+    from eagle_jax.defaults import CPU_MAX_CHUNK, DEFAULT_MAX_CHUNK
+
+    return CPU_MAX_CHUNK if (backend or jax.default_backend()) == "cpu" else DEFAULT_MAX_CHUNK
+
+
 def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend: str | None = None,
                  compute_capability: str | None = None, dtype: str | None = None) -> ExecutionPlan:
     """The plan for graphs on ``backend`` (default: JAX's default backend) over ``mesh``

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from eagle_jax.defaults import default_max_chunk
 from eagle_jax.errors import ConfigError
 from eagle_jax.kernels.plan import check_kernel_impl
+from eagle_jax.runtime.plan import default_max_chunk
 from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
 from eagle_jax.serving.policy import (
     AUTO_MIN_DEPTH_GAIN, DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
@@ -39,7 +39,7 @@ class EngineConfig:
       max_seq_len: context of one request (prompt + new tokens).
       batch_buckets: padded batch sizes compiled (default powers of two up to max_batch).
       prompt_buckets: the prefill chunk lengths compiled (default powers of two from 64
-        up to ``min(max_seq_len, defaults.default_max_chunk())``: 128 on a CPU, 512
+        up to ``min(max_seq_len, runtime.plan.default_max_chunk())``: 128 on a CPU, 512
         elsewhere). A prompt is prefilled in chunks
         of these (``scheduler.chunk_plan``): full chunks of the largest that fit, then one
         that pads by less than the smallest, so a prompt costs what its own length costs

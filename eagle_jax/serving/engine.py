@@ -52,6 +52,7 @@ import atexit
 import collections
 import dataclasses
 import functools
+import inspect
 import logging
 import queue
 import threading
@@ -684,8 +685,12 @@ def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig
             raise ConfigError(f"the background calibration was stopped (the process is exiting); the buckets "
                               f"{partial['buckets']} it measured are kept for the next start-up")
 
-    line = policy.calibrate(functools.partial(table.time_step, context=ctx), config.batch_buckets,
-                            resume=record, on_progress=progress)
+    time_step = functools.partial(table.time_step, context=ctx)
+    params = inspect.signature(policy.calibrate).parameters
+    if "resume" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        line = policy.calibrate(time_step, config.batch_buckets, resume=record, on_progress=progress)
+    else:  # a policy written before calibrate took them: it measures everything, and it is kept at the end
+        line = policy.calibrate(time_step, config.batch_buckets)
     if line is None:
         return None
     record = policy.calibration_record()
