@@ -23,7 +23,6 @@ from eagle_jax.defaults import (  # noqa: F401  (re-exported for scripts written
     enable_compilation_cache,
     positive_int,
     pow2_at_least as _pow2_at_least,
-    prompt_buckets_for,
 )
 
 _positive_int = positive_int
@@ -216,6 +215,7 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
     ``EngineConfig``'s own defaults are the flags' defaults (tests/cli/test_cli.py checks
     both give the same policy and shapes), so this only passes on what the flags set.
     ``sampled``: compile the sampling steps (default: when ``--temperature`` > 0)."""
+    from eagle_jax.runtime.plan import prompt_buckets_for
     from eagle_jax.serving.engine import EngineConfig
     from eagle_jax.serving.policy import parse_shapes
     from eagle_jax.spec.config import default_shape

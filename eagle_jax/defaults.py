@@ -76,10 +76,9 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# The largest prefill chunk compiled by default (EngineConfig.prompt_buckets, the CLI's
-# prompt_buckets_for; runtime.plan.default_max_chunk picks by backend): longer prompts go
-# in several chunks. On a CPU, 128: prefill is
-# compute-bound from 64 rows on, and a larger chunk adds attention over its own tokens
+# The largest prefill chunk compiled by default (EngineConfig.prompt_buckets and
+# runtime.plan.prompt_buckets_for; runtime.plan.default_max_chunk picks by backend):
+# longer prompts go in several chunks. On a CPU, 128: prefill is compute-bound from 64 rows on, and a larger chunk adds attention over its own tokens
 # (dense within the chunk) without a faster product (scripts/bench_prefill.py, 2-core
 # AMD EPYC: a 1,024-token prompt in 3.69 s in chunks of 128, 4.23 s in chunks of 512;
 # docs/measuring.md, prefill chunks); the fewer chunk lengths are also fewer graphs to
@@ -87,19 +86,3 @@ def pow2_at_least(n: int) -> int:
 DEFAULT_MAX_CHUNK = 512
 CPU_MAX_CHUNK = 128
 
-
-def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_chunk: int | None = None) -> tuple[int, ...]:
-    """Prefill chunk lengths: powers of two from ``smallest`` up to the one that holds
-    ``longest``, capped at ``max_chunk`` (default ``runtime.plan.default_max_chunk()``) and
-    ``max_seq_len`` (a longer prompt goes in several chunks), so a short prompt in a file
-    of long documents costs what it costs alone."""
-    if max_chunk is None:
-        from eagle_jax.runtime.plan import default_max_chunk  # the backend is asked there
-
-        max_chunk = default_max_chunk()
-    top = min(pow2_at_least(longest), max_seq_len, max_chunk)
-    out, v = [], min(smallest, top)
-    while v < top:
-        out.append(v)
-        v *= 2
-    return tuple(out) + (top,)

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from eagle_jax.checkpoint.hf import load_model
-from eagle_jax.defaults import default_model_dir, pow2_at_least, prompt_buckets_for
+from eagle_jax.defaults import default_model_dir, pow2_at_least
+from eagle_jax.runtime.plan import prompt_buckets_for
 from eagle_jax.environment import fingerprint
 from eagle_jax.serving.engine import Engine, EngineConfig
 from eagle_jax.spec.sampling import SamplingParams

@@ -365,8 +365,7 @@ def test_cli_prompt_buckets_follow_the_longest_prompt():
     of 40-token questions and 1,000-token documents keeps a 64-token chunk for the
     questions, and the documents go in chunks of at most default_max_chunk(): 128 on a
     CPU (measured: larger chunks prefill no faster there), 512 elsewhere."""
-    from eagle_jax.cli import prompt_buckets_for
-    from eagle_jax.runtime.plan import default_max_chunk
+    from eagle_jax.runtime.plan import default_max_chunk, prompt_buckets_for
     from eagle_jax.serving.engine import EngineConfig
 
     assert default_max_chunk("cpu") == 128 and default_max_chunk("gpu") == default_max_chunk("tpu") == 512

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from eagle_jax.defaults import pow2_at_least, prompt_buckets_for
+from eagle_jax.defaults import pow2_at_least
+from eagle_jax.runtime.plan import prompt_buckets_for
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.serving.prompts import PromptRecord, iter_prompt_file
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape

@@ -28,6 +28,21 @@ def default_max_chunk(backend: str | None = None) -> int:
     return CPU_MAX_CHUNK if (backend or jax.default_backend()) == "cpu" else DEFAULT_MAX_CHUNK
 
 
+def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_chunk: int | None = None) -> tuple[int, ...]:
+    """Prefill chunk lengths: powers of two from ``smallest`` up to the one that holds
+    ``longest``, capped at ``max_chunk`` (default ``default_max_chunk()``) and
+    ``max_seq_len`` (a longer prompt goes in several chunks), so a short prompt in a file
+    of long documents costs what it costs alone."""
+    from eagle_jax.defaults import pow2_at_least
+
+    top = min(pow2_at_least(longest), max_seq_len, default_max_chunk() if max_chunk is None else max_chunk)
+    out, v = [], min(smallest, top)
+    while v < top:
+        out.append(v)
+        v *= 2
+    return tuple(out) + (top,)
+
+
 def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend: str | None = None,
                  compute_capability: str | None = None, dtype: str | None = None) -> ExecutionPlan:
     """The plan for graphs on ``backend`` (default: JAX's default backend) over ``mesh``
