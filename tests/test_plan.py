@@ -110,6 +110,21 @@ def test_the_backend_is_asked_in_one_place():
     assert "get_abstract_mesh" not in "".join(p.read_text() for p in PACKAGE.rglob("*.py"))
 
 
+def test_importing_the_package_leaves_the_backend_alone():
+    """No import asks the backend (an EngineConfig() default argument did, through the
+    backend's default prefill chunk): a multi-process run must call
+    jax.distributed.initialize before anything initialises the XLA backend."""
+    import subprocess
+    import sys
+
+    code = ("import jax._src.xla_bridge as xb\n"
+            "import eagle_jax, eagle_jax.cli, eagle_jax.serving.engine, eagle_jax.runtime.sharding\n"
+            "from eagle_jax import Engine, EngineConfig, SamplingParams\n"
+            "assert not xb.backends_are_initialized(), 'an import initialised the backend'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_verify_attention_text():
     cpu = dataclasses.replace(XLA_PLAN, matmul="packed", prefix_attention="cpu")
     shapes = [("chain S=3", 4), ("tree S=3 k=8 T=64", 64)]

@@ -121,14 +121,18 @@ class Engine:
     scheduler: Scheduler
     executor: Executor
 
-    def __init__(self, target, draft=None, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+    def __init__(self, target, draft=None, config: EngineConfig | None = None, tokenizer=None, *,
                  policy: SpeculationPolicy | None = None, proposer: Proposer = EAGLE3,
                  proposer_rows: Callable[[Any, list[int]], Sequence[int]] | None = None, progress: bool = True):
         # Everything is built before any field is set: a failure leaves nothing to call.
         if (proposer.row_width > 0) != (proposer_rows is not None):
             raise ConfigError(f"proposer {proposer.describe()} reads {proposer.row_width} ids per request: "
                               "proposer_rows goes with a proposer that reads rows (and only then is required)")
-        built = _build(target, draft, config, tokenizer, policy, proposer, progress)
+        # EngineConfig() here, not as the default argument: its defaults ask the backend
+        # (runtime.plan.default_max_chunk), which must not happen at import, before
+        # jax.distributed.initialize.
+        built = _build(target, draft, EngineConfig() if config is None else config, tokenizer, policy, proposer,
+                       progress)
         self.config, self.target, self.draft = built.config, built.target, built.draft
         self.tokenizer, self.policy, self.table, self.description = built.tokenizer, built.policy, built.table, built.description
         self.eos_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.target.config.eos_token_ids
