@@ -134,3 +134,28 @@ def test_a_long_arrival_does_not_stall_running_requests(hf_and_target):
     # request gets a token at every step while the long prompt is prefilled.
     assert all(all(g >= 1 for g in got) for _, got in per_step)
     assert [c for c, _ in run(64)] == [4]  # the whole prompt at once
+
+
+def test_prefill_chunks_on_the_cpu_attention_kernels_tiled_path(hf_and_target):
+    """Chunks of 64 tokens: every chunk after the first attends over its prefix on the
+    CPU kernel's tiled path (cpu_attention.cc), whose arithmetic is its own. Greedy output
+    still equals transformers', and speculation after it equals plain decoding."""
+    from eagle_jax.kernels import cpu_matmul
+
+    hf, target = hf_and_target
+    cfg = target.config
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert cpu_matmul.prefix_attention_supported(64, g, cfg.head_dim, target.dtype)
+    assert not cpu_matmul.prefix_attention_supported(64 // g + 1, g, cfg.head_dim, target.dtype) or g == 1
+    prompts = [[3 + (11 * i + n) % (cfg.vocab_size - 3) for i in range(n)] for n in (64, 65, 130, 200)]
+    greedy = SamplingParams(max_new_tokens=NEW)
+    eng = _engine(target, prompt_buckets=(64,), max_seq_len=256)
+    assert eng.table.plan.prefix_attention == "cpu", eng.table.plan
+    out = [c.token_ids for c in eng.generate(prompts, greedy)]
+    assert eng.metrics.prefill_chunks == 1 + 2 + 3 + 4
+    for p, got in zip(prompts, out):
+        assert got == _transformers_greedy(hf, p, NEW), len(p)
+    spec = _engine(target, random_draft(cfg, seed=3), prompt_buckets=(64,), max_seq_len=256, spec_policy="fixed",
+                   speculative=SPEC)
+    assert [c.token_ids for c in spec.generate(prompts, greedy)] == out
+    assert spec.metrics.spec_steps > 0

@@ -32,6 +32,12 @@ def _arrays(rng, b, t, kv, g, d, s):
         (2, 8, 2, 4, 128, 200),   # head dim 128 (Llama 3)
         (5, 16, 1, 4, 16, 70),    # T * G = 64, the kernel's largest; head dim 16
         (2, 3, 2, 1, 32, 9),      # one head per kv head; prefixes shorter than a vector
+        # The tiled path (prefill chunks): tiles of 64 queries, a last partial tile, and
+        # prefixes that end inside a 64-slot chunk, on a long cache.
+        (1, 128, 3, 3, 64, 1200),  # SmolLM2's 128-token chunk
+        (2, 64, 2, 4, 128, 300),   # head dim 128; 256 queries a head
+        (3, 64, 1, 3, 32, 211),    # 192 queries a head; head dim 32 (register blocks of 1 and 4 vectors)
+        (2, 96, 1, 1, 16, 150),    # one query head: 96 queries, one full tile and a partial one
     ],
 )
 def test_matches_the_xla_loop(b, t, kv, g, d, s):
@@ -85,9 +91,39 @@ def test_a_query_gets_the_same_bits_whatever_shares_the_call():
             np.testing.assert_array_equal(a1[0, :, :, 0], acc[row, :, :, tq])
 
 
+def test_a_prefill_query_gets_the_same_bits_whatever_shares_its_tile():
+    """On the tiled path a query's state depends on its own vector and its row's prefix,
+    not on the queries beside it in a register block or tile, nor on other rows: the
+    same chunk's query in a batch of 3 and alone (its row only) agree bit for bit, and
+    so do the kernel's own outputs for one row whatever the other rows' prefixes."""
+    rng = np.random.default_rng(3)
+    b, t, kv, g, d, s = 3, 64, 3, 3, 64, 400
+    q = jnp.asarray(rng.standard_normal((b, t, kv, g, d), dtype=np.float32))
+    kc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
+    vc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
+    f = jax.jit(cpu_matmul.prefix_attention_state)
+    full = [np.asarray(x) for x in f(q, kc, vc, jnp.asarray([10, 333, 77], jnp.int32))]
+    other = [np.asarray(x) for x in f(q, kc, vc, jnp.asarray([0, 333, 400], jnp.int32))]
+    alone = [np.asarray(x) for x in f(q[1:2], kc[1:2], vc[1:2], jnp.asarray([333], jnp.int32))]
+    for a, o, one in zip(full, other, alone):
+        np.testing.assert_array_equal(a[1], o[1])
+        np.testing.assert_array_equal(a[1], one[0])
+    # And the state is the softmax's (float64 here), query (kv head 2, g 1, t 63).
+    qs = np.asarray(q[1, 63, 2, 1], np.float64)
+    ks, vs = np.asarray(kc[1, :333, 2], np.float64), np.asarray(vc[1, :333, 2], np.float64)
+    sc = ks @ qs
+    p = np.exp(sc - sc.max())
+    m, l, acc = (x[1, 2, 1, 63] for x in full)
+    np.testing.assert_allclose(m, sc.max(), rtol=1e-5)
+    np.testing.assert_allclose(l, p.sum(), rtol=1e-5)
+    np.testing.assert_allclose(acc, p @ vs, rtol=1e-4, atol=1e-4)
+
+
 def test_supported_and_env(monkeypatch):
     assert not cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.bfloat16)
     assert not cpu_matmul.prefix_attention_supported(22, 3, 64, jnp.float32)  # 66 queries per head
+    assert not cpu_matmul.prefix_attention_supported(63, 3, 64, jnp.float32)  # a wide tree's verify
+    assert cpu_matmul.prefix_attention_supported(64, 3, 64, jnp.float32)  # a prefill chunk: the tiled path
     assert not cpu_matmul.prefix_attention_supported(1, 3, 72, jnp.float32)
     assert "prefix-attention kernel" in cpu_matmul.status("cpu")[1]
     monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", "xla")

@@ -1,5 +1,6 @@
-// Attention of a few new queries over each row's cached prefix, for XLA:CPU through the
-// XLA FFI (built into the same library as cpu_matmul.cc).
+// Attention of new queries over each row's cached prefix, for XLA:CPU through the XLA FFI
+// (built into the same library as cpu_matmul.cc): a few queries a head on the decode path
+// (decode and verify), many in tiles on the tiled path (prefill chunks; see below).
 //
 // Why: XLA's blocked loop over the cache (model.prefix_attention) visits every row up to
 // the batch's longest prefix and runs the tiny per-(row, head) products as batched dots
@@ -93,6 +94,33 @@ struct Dims {
   int64_t B, T, KV, G, D, S;
 };
 
+// One query's online-softmax update over a chunk of n scores si[0..n-1]: si becomes
+// exp(score - new max), the denominator l and accumulator acc_i [nv vectors] are rescaled
+// to the new max m. Shared by both paths below.
+inline void softmax_update(float* si, int64_t n, float& m, float& l, float* acc_i, int64_t nv) {
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
+  const float corr = std::exp(m - mx);  // 0 on the first chunk (m = -inf)
+  af tot = af{};
+  int64_t j = 0;
+  for (; j + AW <= n; j += AW) {
+    af p = vexp(aload(si + j) - mx);
+    astore(si + j, p);
+    tot += p;
+  }
+  float rest = 0.f;
+  if (j < n) {  // the tail: pad with the max so the padding lanes are exp(0), then dropped
+    alignas(64) float tmp[AW];
+    for (int64_t u = 0; u < AW; ++u) tmp[u] = j + u < n ? si[j + u] - mx : 0.f;
+    af p = vexp(aload(tmp));
+    for (int64_t u = 0; j + u < n; ++u) { si[j + u] = p[u]; rest += p[u]; }
+  }
+  l = l * corr + (hsum(tot) + rest);
+  m = mx;
+  if (corr != 1.f)
+    for (int64_t v = 0; v < nv; ++v) astore(acc_i + v * AW, aload(acc_i + v * AW) * corr);
+}
+
 // One (row b, kv head h): queries q[b, t, h, g, :] for every (t, g), slots 0..len-1 of
 // k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] at query index g * T + t (the
 // caller's [.., G, T] layout, so it needs no transpose).
@@ -124,32 +152,7 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
         s[i * kChunk + j] = hsum(a);
       }
     }
-    for (int64_t i = 0; i < nq; ++i) {
-      float* si = s + i * kChunk;
-      float mx = m[i];
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
-      const float corr = std::exp(m[i] - mx);  // 0 on the first chunk (m = -inf)
-      af tot = af{};
-      int64_t j = 0;
-      for (; j + AW <= n; j += AW) {
-        af p = vexp(aload(si + j) - mx);
-        astore(si + j, p);
-        tot += p;
-      }
-      float rest = 0.f;
-      if (j < n) {  // the tail: pad with the max so the padding lanes are exp(0), then dropped
-        alignas(64) float tmp[AW];
-        for (int64_t u = 0; u < AW; ++u) tmp[u] = j + u < n ? si[j + u] - mx : 0.f;
-        af p = vexp(aload(tmp));
-        for (int64_t u = 0; j + u < n; ++u) { si[j + u] = p[u]; rest += p[u]; }
-      }
-      l[i] = l[i] * corr + (hsum(tot) + rest);
-      m[i] = mx;
-      if (corr != 1.f) {
-        float* ai_ = acc + i * D;
-        for (int64_t v = 0; v < nv; ++v) astore(ai_ + v * AW, aload(ai_ + v * AW) * corr);
-      }
-    }
+    for (int64_t i = 0; i < nq; ++i) softmax_update(s + i * kChunk, n, m[i], l[i], acc + i * D, nv);
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = vb + (j0 + j) * row_stride;
       for (int64_t i = 0; i < nq; ++i) {
@@ -165,6 +168,108 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
   std::memcpy(acc_out + base * D, acc, nq * D * sizeof(float));
 }
 
+// The tiled path, for a prefill chunk's many queries (T * G > kMaxQ): a head's queries in
+// tiles of kMaxQ, each a unit of its own (a batch-1 chunk has only KV heads to spread over
+// the threads otherwise). Per chunk of slots, the keys are transposed once so that the
+// scores and the value products run as small register-blocked matrix products (kQB
+// queries by a chunk of slots, or by kVB vectors of the head dimension), where the
+// decode path's one dot product per (query, slot) ends in a lane sum. The arithmetic
+// differs from the decode path's, so a query's bits depend on the path: the execution
+// plan sends only prefill chunks here (cpu_matmul.PREFILL_MIN_QUERIES).
+#if defined(__AVX512F__)
+constexpr int kQB = 4;  // queries per register block: kQB * kChunk / AW = 16 accumulators
+#else
+constexpr int kQB = 1;
+#endif
+constexpr int kNS = kChunk / AW;  // vectors per chunk of slots
+constexpr int kVB = 4;            // head-dimension vectors per block of the value products
+
+// s[r, 0..kChunk-1] = q[r] . kt[:, slot] for QB queries (rows of qs, stride D).
+template <int QB>
+inline void tile_scores(const float* qs, const float* kt, int64_t D, float* s) {
+  af a[QB][kNS];
+  for (int r = 0; r < QB; ++r)
+    for (int v = 0; v < kNS; ++v) a[r][v] = af{};
+  for (int64_t dd = 0; dd < D; ++dd) {
+    af kv[kNS];
+    for (int v = 0; v < kNS; ++v) kv[v] = aload(kt + dd * kChunk + v * AW);
+    for (int r = 0; r < QB; ++r) {
+      const af qv = af{} + qs[r * D + dd];
+      for (int v = 0; v < kNS; ++v) a[r][v] += qv * kv[v];
+    }
+  }
+  for (int r = 0; r < QB; ++r)
+    for (int v = 0; v < kNS; ++v) astore(s + r * kChunk + v * AW, a[r][v]);
+}
+
+// acc[r, v0..v0+VB) += sum_j p[r, j] * value[j, v0..v0+VB) for QB queries, n slots.
+template <int QB, int VB>
+inline void tile_values(const float* p, const float* vb, int64_t row_stride, int64_t n, float* acc, int64_t D,
+                        int64_t v0) {
+  af a[QB][VB];
+  for (int r = 0; r < QB; ++r)
+    for (int v = 0; v < VB; ++v) a[r][v] = aload(acc + r * D + (v0 + v) * AW);
+  for (int64_t j = 0; j < n; ++j) {
+    af vv[VB];
+    for (int v = 0; v < VB; ++v) vv[v] = aload(vb + j * row_stride + (v0 + v) * AW);
+    for (int r = 0; r < QB; ++r) {
+      const af pv = af{} + p[r * kChunk + j];
+      for (int v = 0; v < VB; ++v) a[r][v] += pv * vv[v];
+    }
+  }
+  for (int r = 0; r < QB; ++r)
+    for (int v = 0; v < VB; ++v) astore(acc + r * D + (v0 + v) * AW, a[r][v]);
+}
+
+template <int QB>
+inline void tile_values_all(const float* p, const float* vb, int64_t row_stride, int64_t n, float* acc, int64_t D) {
+  const int64_t nv = D / AW;
+  int64_t v0 = 0;
+  for (; v0 + kVB <= nv; v0 += kVB) tile_values<QB, kVB>(p, vb, row_stride, n, acc, D, v0);
+  for (; v0 < nv; ++v0) tile_values<QB, 1>(p, vb, row_stride, n, acc, D, v0);
+}
+
+// Queries q0 .. q0 + nqt - 1 (index g * T + t) of (row b, kv head h) over slots 0..len-1.
+void tile_unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t len, int64_t b, int64_t h,
+               int64_t q0, int64_t nqt, float* m_out, float* l_out, float* acc_out) {
+  const int64_t D = d.D, nv = D / AW, nq = d.T * d.G;
+  alignas(64) static thread_local float qs[kMaxQ * kMaxD];
+  alignas(64) static thread_local float acc[kMaxQ * kMaxD];
+  alignas(64) static thread_local float s[kMaxQ * kChunk];
+  alignas(64) static thread_local float kt[kMaxD * kChunk];
+  static thread_local float m[kMaxQ], l[kMaxQ];
+  for (int64_t r = 0; r < nqt; ++r) {
+    const int64_t i = q0 + r, g = i / d.T, t = i % d.T;
+    std::memcpy(qs + r * D, q + (((b * d.T + t) * d.KV + h) * d.G + g) * D, D * sizeof(float));
+  }
+  std::fill(acc, acc + nqt * D, 0.f);
+  std::fill(m, m + nqt, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nqt, 0.f);
+  const int64_t row_stride = d.KV * D;
+  const float* kb = kc + (b * d.S * d.KV + h) * D;
+  const float* vb = vc + (b * d.S * d.KV + h) * D;
+  for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, len - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = kb + (j0 + j) * row_stride;
+      for (int64_t dd = 0; dd < D; ++dd) kt[dd * kChunk + j] = kj[dd];
+    }
+    for (int64_t j = n; j < kChunk; ++j)  // past the prefix: scored, then never read
+      for (int64_t dd = 0; dd < D; ++dd) kt[dd * kChunk + j] = 0.f;
+    int64_t r = 0;
+    for (; r + kQB <= nqt; r += kQB) tile_scores<kQB>(qs + r * D, kt, D, s + r * kChunk);
+    for (; r < nqt; ++r) tile_scores<1>(qs + r * D, kt, D, s + r * kChunk);
+    for (r = 0; r < nqt; ++r) softmax_update(s + r * kChunk, n, m[r], l[r], acc + r * D, nv);
+    const float* vj = vb + j0 * row_stride;
+    for (r = 0; r + kQB <= nqt; r += kQB) tile_values_all<kQB>(s + r * kChunk, vj, row_stride, n, acc + r * D, D);
+    for (; r < nqt; ++r) tile_values_all<1>(s + r * kChunk, vj, row_stride, n, acc + r * D, D);
+  }
+  const int64_t base = (b * d.KV + h) * nq + q0;
+  std::memcpy(m_out + base, m, nqt * sizeof(float));
+  std::memcpy(l_out + base, l, nqt * sizeof(float));
+  std::memcpy(acc_out + base * D, acc, nqt * D * sizeof(float));
+}
+
 // Units claimed from a counter by the caller and any pool helper that gets to run (as in
 // cpu_matmul.cc: a helper still queued never holds the call up).
 struct AttnJob {
@@ -172,14 +277,19 @@ struct AttnJob {
   const float *q, *k, *v;
   const int32_t* lens;
   float *m, *l, *acc;
-  int64_t units, chunks;
+  int64_t units, chunks, tiles;  // tiles: units per (row, kv head); 1 = the decode path
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       for (int64_t u = units * c / chunks; u < units * (c + 1) / chunks; ++u) {
-        const int64_t b = u / d.KV, h = u % d.KV;
+        const int64_t b = u / (d.KV * tiles), h = u / tiles % d.KV, tile = u % tiles;
         const int64_t len = std::clamp<int64_t>(lens[b], 0, d.S);
-        unit(d, q, k, v, len, b, h, m, l, acc);
+        if (tiles == 1) {
+          unit(d, q, k, v, len, b, h, m, l, acc);
+        } else {
+          const int64_t q0 = tile * kMaxQ;
+          tile_unit(d, q, k, v, len, b, h, q0, std::min<int64_t>(kMaxQ, d.T * d.G - q0), m, l, acc);
+        }
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -197,13 +307,14 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("eagle_prefix_attention: k and v shapes differ");
   if (kd[0] != d.B || kd[2] != d.KV || kd[3] != d.D || ld[0] != d.B)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: q, k/v and lens disagree on B, KV or D");
-  if (d.T * d.G > kMaxQ || d.D > kMaxD || d.D % AW)
-    return ffi::Error::InvalidArgument("eagle_prefix_attention: needs T*G <= 64, D <= 256 and D a multiple of the vector width");
+  if (d.D > kMaxD || d.D % AW)
+    return ffi::Error::InvalidArgument("eagle_prefix_attention: needs D <= 256 and D a multiple of the vector width");
   const int64_t nq = d.T * d.G;
+  const int64_t tiles = (nq + kMaxQ - 1) / kMaxQ;  // T * G <= kMaxQ: the decode path, one unit a head
   const auto md = m->dimensions(), ad = acc->dimensions();
   if (md.size() != 3 || md[0] != d.B || md[1] != d.KV || md[2] != nq || ad.size() != 4 || ad[3] != d.D)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: outputs must be m, l [B,KV,G*T] and acc [B,KV,G*T,D]");
-  const int64_t units = d.B * d.KV;
+  const int64_t units = d.B * d.KV * tiles;
   if (units == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   auto job = std::make_shared<AttnJob>();
@@ -212,6 +323,7 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->lens = lens.typed_data();
   job->m = m->typed_data(); job->l = l->typed_data(); job->acc = acc->typed_data();
   job->units = units;
+  job->tiles = tiles;
   job->chunks = std::min<int64_t>(units, threads == 1 ? 1 : 4 * threads);
   for (int64_t t = 1; t < std::min(threads, job->chunks); ++t) pool.Schedule([job] { job->work(); });
   job->work();

@@ -260,8 +260,15 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 # XLA's blocked loop.
 
 ATTENTION_MODES = ("auto", "xla")
-ATTENTION_MAX_QUERIES = 64  # T * G per (row, kv head): the kernel's scratch size
+ATTENTION_MAX_QUERIES = 64  # T * G per (row, kv head) on the decode path: the kernel's scratch size
 ATTENTION_MAX_HEAD_DIM = 256
+# A forward of at least this many tokens (a prefill chunk: ``scheduler.chunk_plan`` cuts
+# prompts into chunks of 64 and more) takes the kernel's tiled path: its queries in tiles,
+# scored as small matrix products. That path's arithmetic differs from the decode path's,
+# so the widths between (a wide tree's verify) stay on XLA's loop: a verify query and the
+# plain step's query at the same position never mix the two kernels' bits, and a tree's
+# verify keeps the bits it had before the tiled path existed.
+ATTENTION_PREFILL_MIN_TOKENS = 64
 
 
 def attention_mode() -> str:
@@ -274,11 +281,12 @@ def attention_mode() -> str:
 def prefix_attention_fits(t: int, g: int, d: int, dtype) -> bool:
     """Whether ``prefix_attention_state`` takes T queries per head, G heads per kv head,
     head dimension D and this cache dtype (float32 only; D a multiple of 16, so of
-    either build's vector width). The shapes only: whether the kernel is used at all is
-    the execution plan's (``kernels.plan``)."""
+    either build's vector width): T * G up to ``ATTENTION_MAX_QUERIES`` (decode and
+    verify) or T from ``ATTENTION_PREFILL_MIN_TOKENS`` (prefill chunks). The shapes only:
+    whether the kernel is used at all is the execution plan's (``kernels.plan``)."""
     return (
-        t * g <= ATTENTION_MAX_QUERIES and d <= ATTENTION_MAX_HEAD_DIM and d % 16 == 0
-        and jnp.dtype(dtype) == jnp.float32
+        (t * g <= ATTENTION_MAX_QUERIES or t >= ATTENTION_PREFILL_MIN_TOKENS)
+        and d <= ATTENTION_MAX_HEAD_DIM and d % 16 == 0 and jnp.dtype(dtype) == jnp.float32
     )
 
 

@@ -124,10 +124,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
 def rope_cos_sin(
     positions: Int[Array, "B T"], inv_freq: np.ndarray
 ) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
-    """cos and sin tables for the given positions, in Hugging Face's half-split layout."""
+    """cos and sin tables for the given positions, in Hugging Face's half-split layout.
+
+    Computed once per forward: without the barrier XLA:CPU fused the sine and cosine into
+    every layer's rope fusion (twice per layer, each over the doubled table), about 12 ms
+    of a 218 ms 128-token SmolLM2 prefill chunk on a 2-core CPU."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    return jax.lax.optimization_barrier((jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)))
 
 
 def apply_rope(
