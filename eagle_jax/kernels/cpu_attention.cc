@@ -170,104 +170,104 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
 
 // The tiled path, for a prefill chunk's many queries (T * G > kMaxQ): a head's queries in
 // tiles of kMaxQ, each a unit of its own (a batch-1 chunk has only KV heads to spread over
-// the threads otherwise). Per chunk of slots, the keys are transposed once so that the
-// scores and the value products run as small register-blocked matrix products (kQB
-// queries by a chunk of slots, or by kVB vectors of the head dimension), where the
-// decode path's one dot product per (query, slot) ends in a lane sum. The arithmetic
-// differs from the decode path's, so a query's bits depend on the path: the execution
-// plan sends only prefill chunks here (cpu_matmul.PREFILL_MIN_QUERIES).
-#if defined(__AVX512F__)
-constexpr int kQB = 4;  // queries per register block: kQB * kChunk / AW = 16 accumulators
-#else
-constexpr int kQB = 1;
-#endif
-constexpr int kNS = kChunk / AW;  // vectors per chunk of slots
-constexpr int kVB = 4;            // head-dimension vectors per block of the value products
+// the threads otherwise). A tile is held transposed -- query vectors of AW lanes, one
+// query a lane -- so the scores (a key element broadcast against kQV query vectors, over
+// kJB slots at once), the softmax (lane-wise: no lane sums) and the value products (a
+// value element broadcast against the probabilities of kQV query vectors) all run as
+// register-blocked small matrix products straight from the cache layout, with nothing
+// transposed per chunk of slots. Lanes never mix, so a query's bits depend on its own
+// vector and its row's prefix only. The arithmetic differs from the decode path's, so
+// the execution plan sends only prefill chunks here (cpu_matmul.ATTENTION_PREFILL_MIN_TOKENS).
+constexpr int kQV = kMaxQ / AW;         // query vectors per tile
+constexpr int kTileSlots = 128;         // slots scored before each softmax update (64 and 256: no faster)
+constexpr int kJB = AW == 16 ? 4 : 1;   // slots (scores) or head-dim elements (values) per block
 
-// s[r, 0..kChunk-1] = q[r] . kt[:, slot] for QB queries (rows of qs, stride D).
-template <int QB>
-inline void tile_scores(const float* qs, const float* kt, int64_t D, float* s) {
-  af a[QB][kNS];
-  for (int r = 0; r < QB; ++r)
-    for (int v = 0; v < kNS; ++v) a[r][v] = af{};
+// sT[j, :] = q . key[j] for kJB slots j (kJB * kQV accumulators).
+template <int JB>
+inline void tile_scores(const float* qT, const float* kj, int64_t row_stride, int64_t D, float* sT) {
+  af a[JB][kQV];
+  for (int j = 0; j < JB; ++j)
+    for (int v = 0; v < kQV; ++v) a[j][v] = af{};
   for (int64_t dd = 0; dd < D; ++dd) {
-    af kv[kNS];
-    for (int v = 0; v < kNS; ++v) kv[v] = aload(kt + dd * kChunk + v * AW);
-    for (int r = 0; r < QB; ++r) {
-      const af qv = af{} + qs[r * D + dd];
-      for (int v = 0; v < kNS; ++v) a[r][v] += qv * kv[v];
+    af qv[kQV];
+    for (int v = 0; v < kQV; ++v) qv[v] = aload(qT + dd * kMaxQ + v * AW);
+    for (int j = 0; j < JB; ++j) {
+      const af kv = af{} + kj[j * row_stride + dd];
+      for (int v = 0; v < kQV; ++v) a[j][v] += kv * qv[v];
     }
   }
-  for (int r = 0; r < QB; ++r)
-    for (int v = 0; v < kNS; ++v) astore(s + r * kChunk + v * AW, a[r][v]);
+  for (int j = 0; j < JB; ++j)
+    for (int v = 0; v < kQV; ++v) astore(sT + j * kMaxQ + v * AW, a[j][v]);
 }
 
-// acc[r, v0..v0+VB) += sum_j p[r, j] * value[j, v0..v0+VB) for QB queries, n slots.
-template <int QB, int VB>
-inline void tile_values(const float* p, const float* vb, int64_t row_stride, int64_t n, float* acc, int64_t D,
-                        int64_t v0) {
-  af a[QB][VB];
-  for (int r = 0; r < QB; ++r)
-    for (int v = 0; v < VB; ++v) a[r][v] = aload(acc + r * D + (v0 + v) * AW);
+// accT[dd .. dd+kJB, :] += sum_j pT[j, :] * value[j, dd ..] over n slots.
+inline void tile_values(const float* pT, const float* vb, int64_t row_stride, int64_t n, float* accT, int64_t dd) {
+  af a[kJB][kQV];
+  for (int e = 0; e < kJB; ++e)
+    for (int v = 0; v < kQV; ++v) a[e][v] = aload(accT + (dd + e) * kMaxQ + v * AW);
   for (int64_t j = 0; j < n; ++j) {
-    af vv[VB];
-    for (int v = 0; v < VB; ++v) vv[v] = aload(vb + j * row_stride + (v0 + v) * AW);
-    for (int r = 0; r < QB; ++r) {
-      const af pv = af{} + p[r * kChunk + j];
-      for (int v = 0; v < VB; ++v) a[r][v] += pv * vv[v];
+    af pv[kQV];
+    for (int v = 0; v < kQV; ++v) pv[v] = aload(pT + j * kMaxQ + v * AW);
+    const float* vj = vb + j * row_stride + dd;
+    for (int e = 0; e < kJB; ++e) {
+      const af x = af{} + vj[e];
+      for (int v = 0; v < kQV; ++v) a[e][v] += x * pv[v];
     }
   }
-  for (int r = 0; r < QB; ++r)
-    for (int v = 0; v < VB; ++v) astore(acc + r * D + (v0 + v) * AW, a[r][v]);
-}
-
-template <int QB>
-inline void tile_values_all(const float* p, const float* vb, int64_t row_stride, int64_t n, float* acc, int64_t D) {
-  const int64_t nv = D / AW;
-  int64_t v0 = 0;
-  for (; v0 + kVB <= nv; v0 += kVB) tile_values<QB, kVB>(p, vb, row_stride, n, acc, D, v0);
-  for (; v0 < nv; ++v0) tile_values<QB, 1>(p, vb, row_stride, n, acc, D, v0);
+  for (int e = 0; e < kJB; ++e)
+    for (int v = 0; v < kQV; ++v) astore(accT + (dd + e) * kMaxQ + v * AW, a[e][v]);
 }
 
 // Queries q0 .. q0 + nqt - 1 (index g * T + t) of (row b, kv head h) over slots 0..len-1.
 void tile_unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t len, int64_t b, int64_t h,
                int64_t q0, int64_t nqt, float* m_out, float* l_out, float* acc_out) {
-  const int64_t D = d.D, nv = D / AW, nq = d.T * d.G;
-  alignas(64) static thread_local float qs[kMaxQ * kMaxD];
-  alignas(64) static thread_local float acc[kMaxQ * kMaxD];
-  alignas(64) static thread_local float s[kMaxQ * kChunk];
-  alignas(64) static thread_local float kt[kMaxD * kChunk];
-  static thread_local float m[kMaxQ], l[kMaxQ];
+  const int64_t D = d.D, nq = d.T * d.G;
+  alignas(64) static thread_local float qT[kMaxD * kMaxQ];
+  alignas(64) static thread_local float accT[kMaxD * kMaxQ];
+  alignas(64) static thread_local float sT[kTileSlots * kMaxQ];
+  alignas(64) static thread_local float m[kMaxQ], l[kMaxQ];
+  std::fill(qT, qT + D * kMaxQ, 0.f);  // lanes past the tile: zero queries, never written out
   for (int64_t r = 0; r < nqt; ++r) {
     const int64_t i = q0 + r, g = i / d.T, t = i % d.T;
-    std::memcpy(qs + r * D, q + (((b * d.T + t) * d.KV + h) * d.G + g) * D, D * sizeof(float));
+    const float* qi = q + (((b * d.T + t) * d.KV + h) * d.G + g) * D;
+    for (int64_t dd = 0; dd < D; ++dd) qT[dd * kMaxQ + r] = qi[dd];
   }
-  std::fill(acc, acc + nqt * D, 0.f);
-  std::fill(m, m + nqt, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + nqt, 0.f);
+  std::fill(accT, accT + D * kMaxQ, 0.f);
+  std::fill(m, m + kMaxQ, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + kMaxQ, 0.f);
   const int64_t row_stride = d.KV * D;
   const float* kb = kc + (b * d.S * d.KV + h) * D;
   const float* vb = vc + (b * d.S * d.KV + h) * D;
-  for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
-    const int64_t n = std::min<int64_t>(kChunk, len - j0);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = kb + (j0 + j) * row_stride;
-      for (int64_t dd = 0; dd < D; ++dd) kt[dd * kChunk + j] = kj[dd];
+  for (int64_t j0 = 0; j0 < len; j0 += kTileSlots) {
+    const int64_t n = std::min<int64_t>(kTileSlots, len - j0);
+    int64_t j = 0;
+    for (; j + kJB <= n; j += kJB) tile_scores<kJB>(qT, kb + (j0 + j) * row_stride, row_stride, D, sT + j * kMaxQ);
+    for (; j < n; ++j) tile_scores<1>(qT, kb + (j0 + j) * row_stride, row_stride, D, sT + j * kMaxQ);
+    for (int v = 0; v < kQV; ++v) {  // the online softmax, a query a lane
+      const af m_old = aload(m + v * AW);
+      af mx = m_old;
+      for (j = 0; j < n; ++j) {
+        const af x = aload(sT + j * kMaxQ + v * AW);
+        mx = x > mx ? x : mx;
+      }
+      const af corr = vexp(m_old - mx);  // 0 on the first chunk (m = -inf)
+      af tot = af{};
+      for (j = 0; j < n; ++j) {
+        const af p = vexp(aload(sT + j * kMaxQ + v * AW) - mx);
+        astore(sT + j * kMaxQ + v * AW, p);
+        tot += p;
+      }
+      astore(l + v * AW, aload(l + v * AW) * corr + tot);
+      astore(m + v * AW, mx);
+      for (int64_t dd = 0; dd < D; ++dd) astore(accT + dd * kMaxQ + v * AW, aload(accT + dd * kMaxQ + v * AW) * corr);
     }
-    for (int64_t j = n; j < kChunk; ++j)  // past the prefix: scored, then never read
-      for (int64_t dd = 0; dd < D; ++dd) kt[dd * kChunk + j] = 0.f;
-    int64_t r = 0;
-    for (; r + kQB <= nqt; r += kQB) tile_scores<kQB>(qs + r * D, kt, D, s + r * kChunk);
-    for (; r < nqt; ++r) tile_scores<1>(qs + r * D, kt, D, s + r * kChunk);
-    for (r = 0; r < nqt; ++r) softmax_update(s + r * kChunk, n, m[r], l[r], acc + r * D, nv);
-    const float* vj = vb + j0 * row_stride;
-    for (r = 0; r + kQB <= nqt; r += kQB) tile_values_all<kQB>(s + r * kChunk, vj, row_stride, n, acc + r * D, D);
-    for (; r < nqt; ++r) tile_values_all<1>(s + r * kChunk, vj, row_stride, n, acc + r * D, D);
+    for (int64_t dd = 0; dd < D; dd += kJB) tile_values(sT, vb + j0 * row_stride, row_stride, n, accT, dd);
   }
   const int64_t base = (b * d.KV + h) * nq + q0;
   std::memcpy(m_out + base, m, nqt * sizeof(float));
   std::memcpy(l_out + base, l, nqt * sizeof(float));
-  std::memcpy(acc_out + base * D, acc, nqt * D * sizeof(float));
+  for (int64_t r = 0; r < nqt; ++r)
+    for (int64_t dd = 0; dd < D; ++dd) acc_out[(base + r) * D + dd] = accT[dd * kMaxQ + r];
 }
 
 // Units claimed from a counter by the caller and any pool helper that gets to run (as in
