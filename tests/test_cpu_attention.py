@@ -56,6 +56,58 @@ def test_matches_the_xla_loop(b, t, kv, g, d, s):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "b,t,kv,g,d,s",
+    [
+        (1, 128, 3, 3, 64, 1200),  # SmolLM2's 128-token chunk over a long prefix
+        (3, 64, 1, 1, 16, 100),    # 64 queries a head: one tile (the causal kernel is always tiled)
+        (2, 96, 2, 3, 32, 200),    # 288 queries a head: tiles that straddle two query heads
+        (2, 64, 2, 4, 128, 300),   # head dim 128
+    ],
+)
+def test_a_prefill_chunks_whole_attention_matches_the_xla_loop(b, t, kv, g, d, s):
+    """``PrefixMask.causal`` forwards of a prefill chunk's width on the kernel attend over
+    the prefix and the chunk's own keys (already written to the cache) in one call;
+    prefixes of 0, inside a 128-slot block and up to the cache end."""
+    from eagle_jax.models.llama import write_rows
+
+    rng = np.random.default_rng(b * 7 + t)
+    q, kn, vn, kc, vc = _arrays(rng, b, t, kv, g, d, s)
+    prefix = rng.integers(0, s - t + 1, b).astype(np.int32)
+    prefix[0] = 0
+    prefix[-1] = s - t
+    slots = jnp.asarray(prefix)[:, None] + jnp.arange(t)[None]
+    kc, vc = write_rows(kc, slots, kn), write_rows(vc, slots, vn)
+    mask = PrefixMask.causal(jnp.asarray(prefix), t)
+    scale = 1 / np.sqrt(d)
+    got_fn = jax.jit(lambda *a: prefix_attention(*a, scale, impl="cpu"))
+    text = got_fn.lower(q, kn, vn, kc, vc, mask).as_text()
+    assert cpu_matmul.PREFILL_ATTENTION_TARGET in text and cpu_matmul.ATTENTION_TARGET + '"' not in text
+    want = jax.jit(lambda *a: prefix_attention(*a, scale, impl="xla"))(q, kn, vn, kc, vc, mask)
+    np.testing.assert_allclose(np.asarray(got_fn(q, kn, vn, kc, vc, mask)), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+def test_a_prefill_chunk_past_the_cache_end_attends_over_what_was_written():
+    """A chunk's padding positions past the cache are dropped, never written: the kernel
+    clamps each query's slots to the cache, and every position inside it is exact."""
+    from eagle_jax.models.llama import write_rows
+
+    rng = np.random.default_rng(5)
+    b, t, kv, g, d, s = 1, 64, 2, 2, 32, 150
+    q, kn, vn, kc, vc = _arrays(rng, b, t, kv, g, d, s)
+    prefix = np.array([s - t + 20], np.int32)  # the last 20 positions fall past the cache
+    slots = jnp.asarray(prefix)[:, None] + jnp.arange(t)[None]
+    kc, vc = write_rows(kc, slots, kn), write_rows(vc, slots, vn)
+    scale = 1 / np.sqrt(d)
+    got = np.asarray(jax.jit(lambda *a: prefix_attention(*a, scale, impl="cpu"))(
+        q, kn, vn, kc, vc, PrefixMask.causal(jnp.asarray(prefix), t)))
+    assert np.all(np.isfinite(got))
+    want = np.asarray(jax.jit(lambda *a: prefix_attention(*a, scale, impl="xla"))(
+        q, kn, vn, kc, vc, PrefixMask.causal(jnp.asarray(prefix), t)))
+    inside = t - 20
+    np.testing.assert_allclose(got[:, :inside], want[:, :inside], rtol=1e-5, atol=2e-6)
+
+
 def test_state_of_a_row_without_prefix():
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 1, 1, 2, 16), dtype=np.float32))

@@ -218,10 +218,21 @@ inline void tile_values(const float* pT, const float* vb, int64_t row_stride, in
     for (int v = 0; v < kQV; ++v) astore(accT + (dd + e) * kMaxQ + v * AW, a[e][v]);
 }
 
-// Queries q0 .. q0 + nqt - 1 (index g * T + t) of (row b, kv head h) over slots 0..len-1.
+// Queries q0 .. q0 + nqt - 1 (index g * T + t) of (row b, kv head h) over slots 0..len-1,
+// or, causal, query t over slots 0..len+t (the chunk's own keys, already in the cache at
+// len + t, included): the whole of a prefill chunk's attention.
 void tile_unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t len, int64_t b, int64_t h,
-               int64_t q0, int64_t nqt, float* m_out, float* l_out, float* acc_out) {
+               int64_t q0, int64_t nqt, bool causal, float* m_out, float* l_out, float* acc_out) {
   const int64_t D = d.D, nq = d.T * d.G;
+  alignas(64) static thread_local int32_t lim[kMaxQ];  // slots each lane sees
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;  // the lanes' fewest and most slots
+  for (int64_t r = 0; r < kMaxQ; ++r) {
+    const int64_t t = (q0 + std::min<int64_t>(r, nqt - 1)) % d.T;  // lanes past the tile repeat the last query's limit
+    lim[r] = static_cast<int32_t>(causal ? std::min<int64_t>(len + t + 1, d.S) : len);
+    lo = std::min<int64_t>(lo, lim[r]);
+    hi = std::max<int64_t>(hi, lim[r]);
+  }
+  len = hi;  // slots lo.. are masked lane by lane (none without causal: every lane sees len)
   alignas(64) static thread_local float qT[kMaxD * kMaxQ];
   alignas(64) static thread_local float accT[kMaxD * kMaxQ];
   alignas(64) static thread_local float sT[kTileSlots * kMaxQ];
@@ -243,6 +254,17 @@ void tile_unit(const Dims& d, const float* q, const float* kc, const float* vc, 
     int64_t j = 0;
     for (; j + kJB <= n; j += kJB) tile_scores<kJB>(qT, kb + (j0 + j) * row_stride, row_stride, D, sT + j * kMaxQ);
     for (; j < n; ++j) tile_scores<1>(qT, kb + (j0 + j) * row_stride, row_stride, D, sT + j * kMaxQ);
+    if (j0 + n > lo) {  // causal: slots past a lane's limit score -inf (its probability is 0)
+      const af ninf = af{} - std::numeric_limits<float>::infinity();
+      for (j = 0; j < n; ++j) {
+        const ai slot = ai{} + static_cast<int32_t>(j0 + j);
+        for (int v = 0; v < kQV; ++v) {
+          ai lv;
+          std::memcpy(&lv, lim + v * AW, sizeof(ai));
+          astore(sT + j * kMaxQ + v * AW, slot < lv ? aload(sT + j * kMaxQ + v * AW) : ninf);
+        }
+      }
+    }
     for (int v = 0; v < kQV; ++v) {  // the online softmax, a query a lane
       const af m_old = aload(m + v * AW);
       af mx = m_old;
@@ -277,18 +299,19 @@ struct AttnJob {
   const float *q, *k, *v;
   const int32_t* lens;
   float *m, *l, *acc;
-  int64_t units, chunks, tiles;  // tiles: units per (row, kv head); 1 = the decode path
+  int64_t units, chunks, tiles;  // tiles: units per (row, kv head)
+  bool tiled, causal;            // the tiled path; causal: the chunk's own keys too (prefill)
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       for (int64_t u = units * c / chunks; u < units * (c + 1) / chunks; ++u) {
         const int64_t b = u / (d.KV * tiles), h = u / tiles % d.KV, tile = u % tiles;
         const int64_t len = std::clamp<int64_t>(lens[b], 0, d.S);
-        if (tiles == 1) {
+        if (!tiled) {
           unit(d, q, k, v, len, b, h, m, l, acc);
         } else {
           const int64_t q0 = tile * kMaxQ;
-          tile_unit(d, q, k, v, len, b, h, q0, std::min<int64_t>(kMaxQ, d.T * d.G - q0), m, l, acc);
+          tile_unit(d, q, k, v, len, b, h, q0, std::min<int64_t>(kMaxQ, d.T * d.G - q0), causal, m, l, acc);
         }
       }
       done.fetch_add(1, std::memory_order_release);
@@ -296,9 +319,9 @@ struct AttnJob {
   }
 };
 
-ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
-                           ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                     ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                     ffi::ResultBuffer<ffi::F32> acc, bool causal) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lens.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || ld.size() != 1)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: expects q [B,T,KV,G,D], k/v [B,S,KV,D], lens [B]");
@@ -310,7 +333,8 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (d.D > kMaxD || d.D % AW)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: needs D <= 256 and D a multiple of the vector width");
   const int64_t nq = d.T * d.G;
-  const int64_t tiles = (nq + kMaxQ - 1) / kMaxQ;  // T * G <= kMaxQ: the decode path, one unit a head
+  const bool tiled = causal || nq > kMaxQ;  // else the decode path, one unit a head
+  const int64_t tiles = tiled ? (nq + kMaxQ - 1) / kMaxQ : 1;
   const auto md = m->dimensions(), ad = acc->dimensions();
   if (md.size() != 3 || md[0] != d.B || md[1] != d.KV || md[2] != nq || ad.size() != 4 || ad[3] != d.D)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: outputs must be m, l [B,KV,G*T] and acc [B,KV,G*T,D]");
@@ -324,6 +348,8 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->m = m->typed_data(); job->l = l->typed_data(); job->acc = acc->typed_data();
   job->units = units;
   job->tiles = tiles;
+  job->tiled = tiled;
+  job->causal = causal;
   job->chunks = std::min<int64_t>(units, threads == 1 ? 1 : 4 * threads);
   for (int64_t t = 1; t < std::min(threads, job->chunks); ++t) pool.Schedule([job] { job->work(); });
   job->work();
@@ -335,15 +361,32 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
+                           ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+  return Attention(pool, q, k, v, lens, m, l, acc, false);
+}
+
+// A prefill chunk's whole attention: lens[b] is the chunk's start, its T keys already in
+// the cache from there; query t sees slots 0..lens[b]+t.
+ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
+                            ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+  return Attention(pool, q, k, v, lens, m, l, acc, true);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention, PrefixAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define EAGLE_ATTENTION_BINDING                    \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention, PrefixAttention, EAGLE_ATTENTION_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention, PrefillAttention, EAGLE_ATTENTION_BINDING);

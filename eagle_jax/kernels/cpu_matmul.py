@@ -52,6 +52,7 @@ SOURCES = (SOURCE, ATTENTION_SOURCE)
 TARGET = "eagle_packed_matmul"
 TARGET_BF16 = "eagle_packed_matmul_bf16"  # bfloat16 panels, float32 arithmetic
 ATTENTION_TARGET = "eagle_prefix_attention"
+PREFILL_ATTENTION_TARGET = "eagle_prefill_attention"  # a prefill chunk's whole (causal) attention
 FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 MODES = ("auto", "packed", "xla")
 
@@ -139,6 +140,7 @@ def _load() -> tuple[int | None, str, Path | None]:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.eagle_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.eagle_packed_matmul_bf16), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefix_attention), platform="cpu")
+    jax.ffi.register_ffi_target(PREFILL_ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefill_attention), platform="cpu")
     lib.eagle_packed_matmul_isa.restype = ctypes.c_char_p
     isa = lib.eagle_packed_matmul_isa().decode()
     return nb, f"packed-weight CPU kernel ({isa}, {nb}-column panels)", lib_path
@@ -296,12 +298,16 @@ def prefix_attention_supported(t: int, g: int, d: int, dtype) -> bool:
 
 
 def prefix_attention_state(
-    qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, prefix_len: jax.Array
+    qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, prefix_len: jax.Array, causal: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Online-softmax state of queries ``qg [B, T, KV, G, D]`` (scale already applied)
     over slots ``0 .. prefix_len[b] - 1`` of ``k/v_cache [B, S, KV, D]``: running max
     ``m [B, KV, G, T]``, denominator ``l`` (same) and unnormalised ``acc [B, KV, G, T, D]``.
-    A row with no prefix gives m = -inf, l = 0, acc = 0."""
+    A row with no prefix gives m = -inf, l = 0, acc = 0.
+
+    ``causal``: a prefill chunk's whole attention (the tiled path whatever T): the chunk's
+    T keys are already in the cache at ``prefix_len[b] + t`` and query t sees slots
+    ``0 .. prefix_len[b] + t``, so ``acc / l`` is the attention output."""
     nb, why, _ = _load()  # registers the target (a no-op once loaded)
     if nb is None:
         raise ConfigError(f"the CPU prefix-attention kernel is unavailable: {why}")
@@ -309,7 +315,7 @@ def prefix_attention_state(
     nq = t * g
     f32 = jnp.float32
     m, l, acc = jax.ffi.ffi_call(
-        ATTENTION_TARGET,
+        PREFILL_ATTENTION_TARGET if causal else ATTENTION_TARGET,
         (jax.ShapeDtypeStruct((b, kv, nq), f32), jax.ShapeDtypeStruct((b, kv, nq), f32),
          jax.ShapeDtypeStruct((b, kv, nq, d), f32)),
     )(qg.astype(f32), k_cache, v_cache, prefix_len.astype(jnp.int32))
