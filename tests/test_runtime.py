@@ -23,7 +23,7 @@ from eagle_jax.serving.generate import Buckets, Generator
 from eagle_jax.models.llama import LlamaModel
 from eagle_jax.serving.policy import FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy
 from eagle_jax.serving.requests import RequestProgress
-from eagle_jax.runtime.step_table import StepTable, _GraphJob
+from eagle_jax.runtime.step_table import CompileAfterBuildError, StepTable, _GraphJob
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig, parse_shape
 from eagle_jax.models.registry import supported_architectures
@@ -705,3 +705,33 @@ def test_a_second_engine_of_the_same_configuration_loads_every_graph_untraced(ta
     assert all(t.trace_s == 0 and t.lower_s == 0 for t in report.timings)
     prompts, params = [[5, 6, 7], [9, 10]], [_greedy(12)] * 2
     assert [c.token_ids for c in second.generate(prompts, params)] == [c.token_ids for c in first.generate(prompts, params)]
+
+
+def test_a_resize_between_distant_buckets_goes_bucket_by_bucket():
+    """The table compiles resize graphs between neighbouring buckets only; a resize
+    further off chains them and gives what one gather would: row i of the new state is
+    row rows[i] of the old, growing and shrinking, over one bucket or several."""
+    cfg = ModelConfig(vocab_size=89, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
+    t = StepTable(LlamaModel(cfg), None, shapes=(), batch_buckets=(1, 2, 4, 8), prompt_buckets=(8,), max_seq_len=16,
+                  sampled=False)
+    t.build()
+    gathers = sorted(k[1:] for k in t._graphs if k[0] == "gather")
+    assert gathers == [(1, 2), (2, 1), (2, 4), (4, 2), (4, 8), (8, 4)]
+
+    def state_of(b: int):
+        # Every leaf of row r holds r + 1 (seq_lens too), so a row's origin is readable.
+        st = t.zeros(b)
+        return jax.tree.map(lambda x: (jnp.arange(b) + 1).reshape((b,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+                            * jnp.ones_like(x), st)
+
+    for b, rows in ((8, [6]), (8, [3, 1]), (8, [5, 2, 7, 0]), (4, [3]), (1, [0] * 8), (2, [1, 0, 0, 0, 0, 0, 0, 0]),
+                    (2, [1, 0, 0, 0]), (1, [0, 0]), (4, [2, 3, 1, 0, 0, 0, 0, 0])):
+        src = state_of(b)
+        got = t.gather(src, rows)
+        want = jax.tree.map(lambda x: np.take(np.asarray(x), rows, axis=0), src)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), w)
+    for b, n in ((4, 3), (4, 4)):  # not a bucket; not a change
+        with pytest.raises(CompileAfterBuildError, match=f"resize {b}->{n}"):
+            t.gather(state_of(b), list(range(n)))

@@ -6,7 +6,8 @@ What SGLang captures as CUDA graphs, we compile ahead of time (``jit(...).lower(
 - ``prefill (n, p)``: prefill ``n`` requests of prompt bucket ``p`` into a fresh
   ``n``-row state (requests admitted together share one call);
 - ``insert (b, n)``: write those ``n`` rows into a ``b``-row state (donated);
-- ``gather (b, b')``: a bucket change, the live rows of a ``b``-row state into ``b'`` rows;
+- ``gather (b, b')``: a bucket change, the live rows of a ``b``-row state into ``b'`` rows
+  (neighbouring buckets only; ``gather`` goes bucket by bucket);
 - ``zeros b``: a zeroed ``b``-row state;
 - ``step (b, shape, greedy)``: the plain step (``shape`` None) or a speculative step of
   that shape, for greedy-only or mixed batches; with ``time_phases`` a speculative step is
@@ -473,9 +474,7 @@ class StepTable:
 
                 jobs.append((f"insert {n} into batch {b}", ("insert", b, n),
                              self._job(insert, (sh, nsh, bsh(n, 1)), sh, (0,), (st, nst, self._int_struct(n)))))
-            for other in self.batch_buckets:
-                if other == b:
-                    continue
+            for other in self._resize_targets(b):
                 _, osh = self._structs(other)
 
                 def gather(state, rows):
@@ -761,8 +760,34 @@ class StepTable:
         b, n = state.seq_lens.shape[0], rows_state.seq_lens.shape[0]
         return self._get(("insert", b, n))(state, rows_state, rows)
 
-    def gather(self, state: SpecState, rows) -> SpecState:
-        return self._get(("gather", state.seq_lens.shape[0], rows.shape[0]))(state, rows)
+    def _resize_targets(self, b: int) -> tuple[int, ...]:
+        """The buckets a ``b``-row state has a resize graph to: its neighbours in
+        ``batch_buckets`` only (a resize to a bucket further off goes through them), so
+        the table holds 2(n - 1) resize graphs for n buckets where every pair would take
+        n(n - 1): 8 graphs of 20 at five buckets, compiled on every cold start for a
+        bucket change that happens a few times a run."""
+        i = self.batch_buckets.index(b)
+        return tuple(self.batch_buckets[j] for j in (i - 1, i + 1) if 0 <= j < len(self.batch_buckets))
+
+    def gather(self, state: SpecState, rows: Sequence[int]) -> SpecState:
+        """A bucket change: row i of the new ``len(rows)``-row state is row ``rows[i]`` of
+        ``state`` (host indices). Between buckets that are not neighbours it goes bucket by
+        bucket: growing, the old rows keep their places (new rows copy row 0) until the
+        last hop applies ``rows``; shrinking, the first hop applies ``rows`` (padded with
+        row 0) and the later ones keep the leading rows."""
+        rows = np.asarray(rows, np.int32)
+        b, target = state.seq_lens.shape[0], len(rows)
+        if target not in self.batch_buckets or b not in self.batch_buckets or target == b:
+            raise CompileAfterBuildError(f"resize {b}->{target}: needs two different batch buckets of {self.batch_buckets}")
+        i, j = self.batch_buckets.index(b), self.batch_buckets.index(target)
+        path = list(self.batch_buckets[i:j + 1] if j > i else self.batch_buckets[j:i + 1][::-1])
+        for k, (src, dst) in enumerate(zip(path, path[1:])):
+            if dst > src:  # growing: identity, then padding; the last hop applies rows
+                hop = rows if dst == target else np.concatenate([np.arange(src), np.zeros(dst - src)])
+            else:  # shrinking: the first hop applies rows, the later ones keep the leading rows
+                hop = np.concatenate([rows, np.zeros(dst - target)]) if k == 0 else np.arange(dst)
+            state = self._get(("gather", src, dst))(state, self.device_put_rows(hop.astype(np.int32)))
+        return state
 
     def step(self, state: SpecState, samp: SamplingArrays, shape: SpeculativeConfig | None, greedy: bool, rows=None):
         """One step (plain when ``shape`` is None): ``(state, out_tokens [B, W], accept_length [B],

@@ -93,7 +93,7 @@ class Executor:
     def gather(self, rows: Sequence[int]) -> None:
         """A bucket change: row i of the new state is row ``rows[i]`` of the old."""
         t = self.table
-        self.state = self._launch(t.gather, self.state, t.device_put_rows(np.asarray(rows, np.int32)))
+        self.state = self._launch(t.gather, self.state, rows)
         self._other_work = True
         self._samp = None
         if self._rows is not None:
