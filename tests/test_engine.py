@@ -119,6 +119,33 @@ def test_cutoff_run_is_token_identical_and_compiles_nothing(engine, reference):
         assert np.mean(accepts) < 1.3
 
 
+def test_a_first_token_is_delivered_before_the_step_behind_it_is_waited_for(engine, reference, monkeypatch):
+    """A request's first token comes from its last prefill chunk; the decode step launched
+    after that chunk (the request already in it) must not hold it back: when the host
+    waits for that step's tokens, the first token is already the request's, and
+    timestamped no later than the step's results."""
+    x = engine.executor
+    seen = []
+    real_read = x.read
+
+    def read(f):
+        seen.append([(r.id, len(r.progress.tokens)) for r in f.rows if r is not None])
+        result = real_read(f)
+        for r in f.rows:
+            if r is not None and r.metrics.first_token is not None:
+                assert r.metrics.first_token <= result.ready_at
+        return result
+
+    monkeypatch.setattr(x, "read", read)
+    rid = _add(engine, 2, 6)
+    engine.run_until_done()
+    (done,) = [c for c in engine.pop_finished() if c.id == rid]
+    assert done.token_ids == reference[2].token_ids[:6]
+    # The first read of a step the request decodes in: it holds its first token already.
+    first_read = next(rows for rows in seen if any(i == rid for i, _ in rows))
+    assert dict(first_read)[rid] == 1
+
+
 def test_step_table_refuses_graphs_it_did_not_build(engine):
     t = engine.table
     with pytest.raises(CompileAfterBuildError, match="not compiled at start-up"):

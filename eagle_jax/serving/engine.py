@@ -352,8 +352,11 @@ class Engine:
             self._count_step(launched.bucket, shape)
         wait = 0.0
         if self._pending is not None:
+            if self._pending.first_tokens:  # new requests' first tokens, before the step behind them
+                firsts, ready_at, wait = self.executor.read_first(self._pending)
+                self._deliver_first(firsts, ready_at)
             result = self.executor.read(self._pending)
-            wait = result.wait_s
+            wait += result.wait_s
             self._deliver(result)
         self._pending = launched
         m.wall_s += time.perf_counter() - t_start
@@ -438,11 +441,10 @@ class Engine:
             m.plain_steps += 1
         m.steps_by_bucket[(b, shape_name(shape))] += 1
 
-    def _deliver(self, r: StepResult) -> None:
-        """Hand a finished step's tokens to its requests, then tell the metrics and the
-        policy what the step did."""
-        m, now = self.metrics, r.ready_at
-        for reqs, first in r.first_tokens:
+    def _deliver_first(self, firsts, now: float) -> None:
+        """Hand requests whose prefill ended their first tokens (sampled by the last chunk)."""
+        m = self.metrics
+        for reqs, first in firsts:
             for req, tok in zip(reqs, first):
                 if not req.done:
                     req.metrics.first_token = req.metrics.last_token = now
@@ -450,6 +452,11 @@ class Engine:
                     m.tokens += 1
                     if req.done:
                         req.metrics.finished = now
+
+    def _deliver(self, r: StepResult) -> None:
+        """Hand a finished step's tokens to its requests, then tell the metrics and the
+        policy what the step did."""
+        m, now = self.metrics, r.ready_at
         spec = r.shape is not None
         live_acc = []
         for row, req in enumerate(r.rows):
