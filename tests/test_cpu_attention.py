@@ -50,7 +50,9 @@ def test_matches_the_xla_loop(b, t, kv, g, d, s):
     block = jnp.asarray(rng.random((b, t, t)) < 0.5) | jnp.eye(t, dtype=bool)[None]
     mask = PrefixMask(jnp.asarray(prefix), block)
     scale = 1 / np.sqrt(d)
-    assert cpu_matmul.prefix_attention_supported(t, g, d, jnp.float32)
+    # The plan routes only the decode path's widths here (a wide tree's verify keeps XLA's
+    # loop); the kernel computes the wider ones right all the same (its tiled path).
+    assert cpu_matmul.prefix_attention_supported(t, g, d, jnp.float32) == (t * g <= cpu_matmul.ATTENTION_MAX_QUERIES)
     want = jax.jit(lambda *a: prefix_attention(*a, scale, impl="xla"))(q, kn, vn, kc, vc, mask)
     got = jax.jit(lambda *a: prefix_attention(*a, scale, impl="cpu"))(q, kn, vn, kc, vc, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
@@ -174,8 +176,9 @@ def test_a_prefill_query_gets_the_same_bits_whatever_shares_its_tile():
 def test_supported_and_env(monkeypatch):
     assert not cpu_matmul.prefix_attention_supported(1, 3, 64, jnp.bfloat16)
     assert not cpu_matmul.prefix_attention_supported(22, 3, 64, jnp.float32)  # 66 queries per head
-    assert not cpu_matmul.prefix_attention_supported(63, 3, 64, jnp.float32)  # a wide tree's verify
-    assert cpu_matmul.prefix_attention_supported(64, 3, 64, jnp.float32)  # a prefill chunk: the tiled path
+    assert not cpu_matmul.prefix_attention_supported(64, 3, 64, jnp.float32)  # a wide tree's verify
+    assert cpu_matmul.prefix_attention_supported(64, 3, 64, jnp.float32, causal=True)  # a prefill chunk
+    assert not cpu_matmul.prefix_attention_supported(63, 3, 64, jnp.float32, causal=True)  # narrower than a chunk
     assert not cpu_matmul.prefix_attention_supported(1, 3, 72, jnp.float32)
     assert "prefix-attention kernel" in cpu_matmul.status("cpu")[1]
     monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", "xla")

@@ -149,6 +149,9 @@ def test_prefix_attention_for_is_the_plans_and_the_shapes():
     assert cpu.prefix_attention_for(4, 2, 64, jnp.float32) == "cpu"
     assert cpu.prefix_attention_for(4, 2, 64, jnp.bfloat16) == "xla"
     assert cpu.prefix_attention_for(40, 2, 64, jnp.float32) == "xla"  # 80 queries per KV head
+    assert cpu.prefix_attention_for(64, 2, 64, jnp.float32) == "xla"  # a tree of 64: XLA's loop, as before
+    assert cpu.prefix_attention_for(64, 2, 64, jnp.float32, causal=True) == "cpu"  # a prefill chunk
+    assert cpu.prefix_attention_for(40, 2, 64, jnp.float32, causal=True) == "xla"  # narrower than a chunk
     assert XLA_PLAN.prefix_attention_for(4, 2, 64, jnp.float32) == "xla"
 
 

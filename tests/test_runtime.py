@@ -226,10 +226,7 @@ def test_the_start_up_line_names_the_verify_attention_the_graph_runs(target, dra
     from eagle_jax.models.llama import BoundModules, KVCache
     from eagle_jax.spec.steps import Tree, verify_tree
 
-    # Wider than the decode path takes, narrower than a prefill chunk: XLA's loop.
-    g = target.config.num_attention_heads // target.config.num_key_value_heads
-    assert (cpu_matmul.ATTENTION_PREFILL_MIN_TOKENS - 1) * g > cpu_matmul.ATTENTION_MAX_QUERIES
-    wide = SpeculativeConfig(num_steps=4, topk=8, num_draft_tokens=cpu_matmul.ATTENTION_PREFILL_MIN_TOKENS - 1)
+    wide = SpeculativeConfig(num_steps=4, topk=8, num_draft_tokens=cpu_matmul.ATTENTION_MAX_QUERIES)
     t = StepTable(target, draft, shapes=(TREE, wide), batch_buckets=(1,), prompt_buckets=(16,), max_seq_len=128,
                   sampled=False)
     path = t.verify_attention_path()

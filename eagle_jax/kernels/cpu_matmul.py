@@ -264,12 +264,13 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 ATTENTION_MODES = ("auto", "xla")
 ATTENTION_MAX_QUERIES = 64  # T * G per (row, kv head) on the decode path: the kernel's scratch size
 ATTENTION_MAX_HEAD_DIM = 256
-# A forward of at least this many tokens (a prefill chunk: ``scheduler.chunk_plan`` cuts
-# prompts into chunks of 64 and more) takes the kernel's tiled path: its queries in tiles,
-# scored as small matrix products. That path's arithmetic differs from the decode path's,
-# so the widths between (a wide tree's verify) stay on XLA's loop: a verify query and the
-# plain step's query at the same position never mix the two kernels' bits, and a tree's
-# verify keeps the bits it had before the tiled path existed.
+# A causal forward of at least this many tokens (a prefill chunk: ``scheduler.chunk_plan``
+# cuts prompts into chunks of 64 and more) takes the kernel's prefill path: its queries in
+# tiles, scored as small matrix products, over the prefix and the chunk in one call. That
+# path's arithmetic differs from the decode path's, so a forward that is not causal and
+# wider than the decode path takes (a tree's verify) stays on XLA's loop: a verify query
+# and the plain step's query at the same position never mix the two paths' bits, and a
+# tree's verify keeps the bits it had before the prefill path existed.
 ATTENTION_PREFILL_MIN_TOKENS = 64
 
 
@@ -280,21 +281,22 @@ def attention_mode() -> str:
     return m
 
 
-def prefix_attention_fits(t: int, g: int, d: int, dtype) -> bool:
-    """Whether ``prefix_attention_state`` takes T queries per head, G heads per kv head,
-    head dimension D and this cache dtype (float32 only; D a multiple of 16, so of
-    either build's vector width): T * G up to ``ATTENTION_MAX_QUERIES`` (decode and
-    verify) or T from ``ATTENTION_PREFILL_MIN_TOKENS`` (prefill chunks). The shapes only:
-    whether the kernel is used at all is the execution plan's (``kernels.plan``)."""
+def prefix_attention_fits(t: int, g: int, d: int, dtype, causal: bool = False) -> bool:
+    """Whether the kernel takes a forward of T queries per head, G heads per kv head, head
+    dimension D and this cache dtype (float32 only; D a multiple of 16, so of either
+    build's vector width): T * G up to ``ATTENTION_MAX_QUERIES`` (decode and verify), or,
+    ``causal`` (a ``PrefixMask.is_causal`` block), T from ``ATTENTION_PREFILL_MIN_TOKENS``
+    (prefill chunks). The shapes only: whether the kernel is used at all is the execution
+    plan's (``kernels.plan``)."""
     return (
-        (t * g <= ATTENTION_MAX_QUERIES or t >= ATTENTION_PREFILL_MIN_TOKENS)
+        (t * g <= ATTENTION_MAX_QUERIES or (causal and t >= ATTENTION_PREFILL_MIN_TOKENS))
         and d <= ATTENTION_MAX_HEAD_DIM and d % 16 == 0 and jnp.dtype(dtype) == jnp.float32
     )
 
 
-def prefix_attention_supported(t: int, g: int, d: int, dtype) -> bool:
+def prefix_attention_supported(t: int, g: int, d: int, dtype, causal: bool = False) -> bool:
     """``prefix_attention_fits`` and ``EAGLE_JAX_CPU_ATTENTION`` leaves the kernel on."""
-    return attention_mode() == "auto" and prefix_attention_fits(t, g, d, dtype)
+    return attention_mode() == "auto" and prefix_attention_fits(t, g, d, dtype, causal)
 
 
 def prefix_attention_state(

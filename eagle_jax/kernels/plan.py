@@ -114,11 +114,13 @@ class ExecutionPlan:
         """The target cache's default rounding: the tree-attention kernel's block on GPUs."""
         return TREE_ATTENTION_BLOCK if self.backend == "gpu" else 1
 
-    def prefix_attention_for(self, t: int, g: int, d: int, dtype) -> str:
+    def prefix_attention_for(self, t: int, g: int, d: int, dtype, causal: bool = False) -> str:
         """How a ``PrefixMask`` forward of ``t`` tokens, ``g`` query heads per KV head and
         head dimension ``d`` over a cache of ``dtype`` attends over the cached prefix:
-        "cpu" (``cpu_matmul.prefix_attention_state``) or "xla" (the block loop)."""
-        if self.prefix_attention == "cpu" and cpu_matmul.prefix_attention_fits(t, g, d, dtype):
+        "cpu" (``cpu_matmul.prefix_attention_state``) or "xla" (the block loop).
+        ``causal``: the mask's block is the causal triangle (``PrefixMask.is_causal``): a
+        prefill chunk's width then takes the kernel's prefill path."""
+        if self.prefix_attention == "cpu" and cpu_matmul.prefix_attention_fits(t, g, d, dtype, causal):
             return "cpu"
         return "xla"
 

@@ -439,7 +439,8 @@ class Attention(nnx.Module):
         elif isinstance(mask, PrefixMask):
             # The plan says whether the prefix goes to the CPU kernel (an inference table
             # on a CPU, one device) and the shape decides whether the kernel takes it.
-            impl = plan.prefix_attention_for(t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype)
+            impl = plan.prefix_attention_for(t, self.num_heads // self.num_kv_heads, self.head_dim, k_cache.dtype,
+                                             causal=mask.is_causal)
             out = prefix_attention(q, k, v, k_cache, v_cache, mask, scale, impl=impl)
         elif isinstance(mask, StepDiagonalMask):
             out = step_diagonal_attention(q, k_cache, v_cache, mask, scale)
