@@ -1,6 +1,7 @@
 // Attention of new queries over each row's cached prefix, for XLA:CPU through the XLA FFI
 // (built into the same library as cpu_matmul.cc): a few queries a head on the decode path
-// (decode and verify), many in tiles on the tiled path (prefill chunks; see below).
+// (decode and verify), many in tiles on the tiled path (prefill chunks, causal, through
+// the eagle_prefill_attention target; see below).
 //
 // Why: XLA's blocked loop over the cache (model.prefix_attention) visits every row up to
 // the batch's longest prefix and runs the tiny per-(row, head) products as batched dots
@@ -94,9 +95,9 @@ struct Dims {
   int64_t B, T, KV, G, D, S;
 };
 
-// One query's online-softmax update over a chunk of n scores si[0..n-1]: si becomes
-// exp(score - new max), the denominator l and accumulator acc_i [nv vectors] are rescaled
-// to the new max m. Shared by both paths below.
+// The decode path's online-softmax update of one query over a chunk of n scores
+// si[0..n-1]: si becomes exp(score - new max), the denominator l and accumulator acc_i
+// [nv vectors] are rescaled to the new max m. (The tiled path updates a query a lane.)
 inline void softmax_update(float* si, int64_t n, float& m, float& l, float* acc_i, int64_t nv) {
   float mx = m;
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
