@@ -60,12 +60,13 @@ demo: install model
 # runs on TEST_WORKERS pytest-xdist workers, a test file per worker at a time (its module
 # fixtures built once): tracing and XLA's compiles are mostly single-threaded, so a
 # second worker uses the second core (2-core CPU: fast pass 915 s and slow 1311 s on two
-# workers, where CI's last run on one took 1205 s and 1808 s).
+# workers, where CI's last run on one took 1205 s and 1808 s). Each pass ends with its 25
+# slowest tests, so CI's log shows what to trim when the suite nears its 45 minutes.
 TEST_WORKERS ?= 2
 test: install-test model gguf
 	export EAGLE_JAX_GGUF=$(GGUF) EAGLE_JAX_TEST_JIT_CACHE=$$(mktemp -d -t eagle-jax-test-jit-XXXXXX); \
-	  $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests \
-	    && $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow tests; \
+	  $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 -m "not slow" tests \
+	    && $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 -m slow tests; \
 	  status=$$?; rm -rf "$$EAGLE_JAX_TEST_JIT_CACHE"; exit $$status
 
 test-fast: install-test

@@ -99,6 +99,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-shapes", default=None, metavar="LIST",
                    help="auto's candidates, comma-separated, e.g. 'chain S=1, chain S=3, tree S=3 k=4 T=8' (default: "
                         "chains S=1..5 and trees S=2 k=4 T=6, S=3 k=4 T=8, S=4 k=4 T=12); fewer compile faster")
+    g.add_argument("--no-prune-buckets", dest="prune_buckets", action="store_false",
+                   help="compile auto's default candidates at every batch bucket (default: at each bucket, only those "
+                        "whose least step cost, from plain steps timed at start-up, the draft's prior could pay for)")
     g.add_argument("--spec-calibration-s", type=float, default=20.0, metavar="SECONDS",
                    help="auto's start-up timing budget (default 20)")
     g.add_argument("--recalibrate", action="store_true",
@@ -232,6 +235,7 @@ def engine_config(args, *, draft: bool, batch: int, max_seq_len: int, longest: i
         spec_disable_batch_threshold=args.spec_disable_batch_threshold if policy == "threshold" else None,
         spec_shapes=parse_shapes(args.spec_shapes) if policy == "auto" and args.spec_shapes is not None else None,
         spec_calibration_s=args.spec_calibration_s,
+        spec_prune_buckets=args.prune_buckets,
         recalibrate=args.recalibrate,
         # Sampled steps only when some request samples (halves the graphs otherwise).
         sampled_steps=args.temperature > 0 if sampled is None else sampled,

@@ -39,6 +39,10 @@ READY = re.compile(r"(\d+) graphs compiled in ([\d.]+) s(?: on (\d+) threads)?: 
                    r"JAX's persistent cache")
 CALIBRATED = re.compile(r"calibrated \d+ steps .*? in ([\d.]+) s")
 FROM_CACHE = re.compile(r"calibration cache|\.json; --recalibrate measures again")
+# auto's per-bucket choice of shapes (AutoPolicy.fit_buckets): timed plain steps, or the cache.
+FIT = re.compile(r"shapes per batch bucket by their least step cost \(.*?; ([\d.]+) s\).*?\((\d+) of (\d+) speculative "
+                 r"steps left out\)")
+FIT_CACHED = re.compile(r"shapes per batch bucket from the calibration cache: .*?\((\d+) of (\d+) speculative steps left out\)")
 SPEC_READY = re.compile(r"speculation ready ([\d.]+) s after start-up: (\d+) graphs compiled in ([\d.]+) s")
 
 
@@ -70,6 +74,11 @@ def run_once(args, mode: str, cache: Path, prompt_file: Path, out_jsonl: Path) -
                         "jax_cache_hits": int(hits)}
     cal = CALIBRATED.search(log)
     row["calibration"] = {"measured_s": float(cal.group(1))} if cal else {"from_cache": bool(FROM_CACHE.search(log))}
+    fit, cached = FIT.search(log), FIT_CACHED.search(log)
+    if fit:
+        row["bucket_fit"] = {"measured_s": float(fit.group(1)), "left_out": int(fit.group(2)), "of": int(fit.group(3))}
+    elif cached:
+        row["bucket_fit"] = {"from_cache": True, "left_out": int(cached.group(1)), "of": int(cached.group(2))}
     spec = SPEC_READY.search(log)
     if spec:
         row["speculation_ready_after_s"] = float(spec.group(1))

@@ -12,7 +12,8 @@ from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.serving.engine import Engine, EngineConfig, compile_count
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.serving.policy import (
-    DEFAULT_AUTO_SHAPES, AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, parse_shapes, prune_by_prior,
+    DEFAULT_AUTO_SHAPES, AutoPolicy, DepthAcceptance, PlainPolicy, card_acceptance, least_step_seconds, parse_shapes,
+    prune_by_prior,
 )
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.spec.config import SpeculativeConfig, parse_shape
@@ -326,6 +327,83 @@ def test_the_engine_prunes_its_default_candidates_by_the_loaded_models(tmp_path)
     assert set(eng.table.shapes) == set(eng.policy.shapes)  # nothing else compiled
 
 
+def test_the_engine_compiles_per_bucket_only_the_shapes_that_can_pay(tmp_path, monkeypatch, caplog):
+    """Auto's default candidates with a card: plain steps are compiled and timed first
+    (the timings are made up here, through StepTable.time_step, so the choice is known),
+    then only the shapes each bucket keeps are compiled and calibrated. A step of a
+    shape left out is refused by name, the output is plain decoding's token for token,
+    and a second engine reads the choice back from the calibration cache, timing nothing."""
+    import logging
+
+    from eagle_jax.checkpoint.draft_io import save_draft
+    from eagle_jax.runtime.step_table import CompileAfterBuildError, StepTable
+    from eagle_jax.serving.policy import FixedPolicy
+
+    monkeypatch.setenv("EAGLE_JAX_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    tdir, ddir = tmp_path / "target", tmp_path / "draft"
+    make_hf_model("llama3", seed=5).save_pretrained(tdir, safe_serialization=True)
+    write_word_tokenizer(tdir, 211)
+    save_draft(random_draft(load_model(tdir).config, seed=1, draft_vocab_size=128), ddir)
+    (ddir / "training.json").write_text(json.dumps({"final_eval": {"acc": [0.95, 0.9, 0.45, 0.3, 0.3]}}))
+    # Plain step ms per bucket at the calibration context and empty: 2 rows cost little
+    # more than 1, 4 rows much more (19 ms a row past 2).
+    at_ctx, empty = {1: 22.0, 2: 26.0, 4: 64.0}, {1: 20.0, 2: 22.0, 4: 60.0}
+    timed = []
+
+    def time_step(self, b, shape, context=0):
+        self.compiled(("step", b, shape, True))  # only what was compiled is timed
+        timed.append((b, shape))
+        if shape is None:
+            return (at_ctx if context else empty)[b] / 1000
+        return 0.005 + least_step_seconds(b, shape, {k: v / 1000 for k, v in at_ctx.items()},
+                                          {k: v / 1000 for k, v in empty.items()})
+
+    monkeypatch.setattr(StepTable, "time_step", time_step)
+    config = EngineConfig(max_batch=4, max_seq_len=32, prompt_buckets=(16,), spec_calibration_s=0.5,
+                          sampled_steps=False)
+
+    def build():
+        timed.clear()
+        with caplog.at_level(logging.INFO, logger="eagle_jax.serving.engine"):
+            caplog.clear()
+            eng = Engine(str(tdir), str(ddir), config, progress=False)
+        [line] = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+        return eng, line
+
+    eng, line = build()
+    chain1, chain2, tree = parse_shapes("chain S=1, chain S=2, tree S=2 k=4 T=6")
+    assert eng.policy.shapes == (chain1, chain2, tree) and eng.table.shapes == eng.policy.shapes
+    # Optimistic accept lengths (prior weight 16, one deviation up): chain S=1 2.0, chain
+    # S=2 2.97, the tree 3.0. Bucket 1: the tree's 6 rows cost 60 + 2 x 19 + 2 = 100 ms >
+    # 3.0 x 22. Bucket 2: chain S=1's 4 rows cost 60 + 4 = 64 > 2.0 x 26 = 52. Bucket 4:
+    # 8 rows cost 136 + 4 > 2.0 x 64.
+    assert {b: eng.table.shapes_at(b) for b in (1, 2, 4)} == {1: (chain1, chain2), 2: (), 4: ()}
+    assert {b: eng.policy.shapes_at(b) for b in (1, 2, 4)} == {b: eng.table.shapes_at(b) for b in (1, 2, 4)}
+    assert "2: plain only; 4: plain only (7 of 9 speculative steps left out)" in line, line
+    spec_graphs = [n for n in eng.table.report.names if n.startswith("speculative step")]
+    assert sorted(spec_graphs) == ["speculative step batch 1 chain S=1 greedy", "speculative step batch 1 chain S=2 greedy"]
+    assert eng.table.report.graphs == len(eng.table.report.names)
+    assert {(b, s) for b, s in timed if s is not None} == {(1, chain1), (1, chain2)}
+    with pytest.raises(CompileAfterBuildError, match="left out at start-up: batch bucket 2 compiles only"):
+        eng.table.compiled(("step", 2, chain1, True))
+    with pytest.raises(ConfigError, match="chain S=1 at batch bucket 2"):
+        eng.use_policy(FixedPolicy(chain1))
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 9, 14, 20)]
+    plain = Engine(str(tdir), str(ddir), EngineConfig(max_batch=4, max_seq_len=32, prompt_buckets=(16,),
+                                                       spec_policy="plain", sampled_steps=False), progress=False)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want
+    assert all(b == 1 for b, name in eng.metrics.steps_by_bucket if name != "plain")
+
+    again, line = build()
+    assert timed == [] and "from the calibration cache" in line and "read from the cache" in line, line
+    assert {b: again.table.shapes_at(b) for b in (1, 2, 4)} == {b: eng.table.shapes_at(b) for b in (1, 2, 4)}
+    assert again.table.report.graphs == eng.table.report.graphs
+    assert [c.token_ids for c in again.generate(prompts, params)] == want
+
+
 def test_bad_settings_and_shapes_are_named(tmp_path):
     assert parse_shapes("chain S=1, tree S=3 k=4 T=8,chain S=1") == (CHAINS[0], TREE)
     with pytest.raises(ConfigError, match="'chain S=x' is not"):
@@ -490,6 +568,81 @@ def test_calibration_noise_cannot_make_more_work_cheaper():
     p.calibrate(lambda b, s: noisy[s], buckets=[1])
     got = {s: p.step_seconds(1, s) for s in (None, CHAINS[0], CHAINS[1], CHAINS[2], TREE)}
     assert got == {None: 0.056, CHAINS[0]: 0.056, CHAINS[1]: 0.056, CHAINS[2]: 0.070, TREE: 0.056}
+
+
+def _plain(at_ctx_ms: dict, empty_ms: dict, timed: list | None = None):
+    """``time_plain(bucket, context)`` from {bucket: ms} at the calibration context and empty."""
+    def time_plain(bucket, context):
+        if timed is not None:
+            timed.append((bucket, context))
+        return (at_ctx_ms if context else empty_ms)[bucket] / 1000
+    return time_plain
+
+
+def test_least_step_seconds_is_the_verify_forward_plus_the_context():
+    plain = {1: 0.030, 2: 0.032, 4: 0.040}
+    empty = {1: 0.020, 2: 0.021, 4: 0.026}
+    # 1 row x 2 tokens (chain S=1): the empty plain step of 2 rows, plus what the
+    # context added to the plain step of 1 row (10 ms).
+    assert least_step_seconds(1, CHAINS[0], plain, empty) == pytest.approx(0.021 + 0.010)
+    # 1 row x 3 tokens: halfway between the empty steps of 2 and 4 rows.
+    assert least_step_seconds(1, CHAINS[1], plain, empty) == pytest.approx(0.0235 + 0.010)
+    # 4 rows x 8 tokens (the tree): 32 rows, past bucket 4 along its last segment (2.5 ms a row).
+    assert least_step_seconds(4, TREE, plain, empty) == pytest.approx(0.026 + 28 * 0.0025 + 0.014)
+
+
+def test_fit_buckets_leaves_out_the_shapes_that_cannot_pay_per_bucket():
+    """With plain steps that grow with rows (a CPU), a shape is kept at a bucket only
+    where its expected accept length times plain's rate beats the least its step costs
+    (worked out by hand below); calibration then times only what was kept, its record
+    says what was left out, and a later engine takes the choice from the record without
+    timing anything. Steps flat in rows (a GPU) keep every shape."""
+    shapes = CHAINS[:3] + (TREE,)
+    # Expected lengths (exact prior, no optimism left): chains 1.5, 1.75, 1.85; the tree
+    # follows the chains' rates: 1.85.
+    make = lambda **kw: AutoPolicy(shapes, prior=[0.5, 0.5, 0.4], prior_weight=EXACT,  # noqa: E731
+                                   uninformed_weight=EXACT, calibration_rounds=1, **kw)
+    at_ctx, empty = {1: 22, 2: 24, 4: 28, 8: 38}, {1: 20, 2: 21, 4: 24, 8: 34}
+    p = make(prune_buckets=True)
+    timed = []
+    line = p.fit_buckets(_plain(at_ctx, empty, timed), [1, 2, 4, 8], context=512, rounds=3)
+    assert sorted(set(timed)) == [(b, c) for b in (1, 2, 4, 8) for c in (0, 512)]
+    assert len(timed) == 4 * 2 * 4  # a warm-up and three rounds each
+    # Bucket 2: the tree's 16 rows cost 34 + 8 x 2.5 + 3 = 57 ms > 1.85 x 24 = 44.4.
+    # Bucket 4: chain S=2's 12 rows cost 34 + 10 + 4 = 48 < 1.75 x 28 = 49; chain S=3's
+    # 16 rows 58 > 51.8. Bucket 8: chain S=1's 16 rows cost 54 + 4 = 58 > 1.5 x 38 = 57.
+    assert {b: p.shapes_at(b) for b in (1, 2, 4, 8)} == {1: shapes, 2: CHAINS[:3], 4: CHAINS[:2], 8: ()}
+    assert "8: plain only" in line and "(7 of 16 speculative steps left out)" in line, line
+    assert p.options(8) == (None,) and p.options() == (None,) + shapes
+
+    asked = []
+    line = p.calibrate(lambda b, s: asked.append((b, s)) or _times(10, 3, 40)(b, s), [1, 2, 4, 8])
+    assert set(asked) == {(b, s) for b in (1, 2, 4, 8) for s in p.options(b)}
+    assert p.best(8) is None and "4 batch buckets with 1/3/4/5 options" in line, line
+    record = json.loads(json.dumps(p.calibration_record()))
+    assert record["seconds"][-1] == [pytest.approx(0.08), None, None, None, None]  # bucket 8: plain only
+
+    warm = make(prune_buckets=True)
+    assert "from the calibration cache" in warm.fit_buckets(_plain(at_ctx, empty, asked := []), [1, 2, 4, 8],
+                                                             record=record)
+    assert asked == [] and {b: warm.shapes_at(b) for b in (1, 2, 4, 8)} == {b: p.shapes_at(b) for b in (1, 2, 4, 8)}
+    assert warm.restore_calibration(record, [1, 2, 4, 8]) is not None
+    assert warm.calibration.seconds == p.calibration.seconds
+    # A policy that compiles every shape everywhere cannot take a record with some left out.
+    assert make().restore_calibration(record, [1, 2, 4, 8]) is None
+    assert make().fit_buckets(_plain(at_ctx, empty, asked), [1, 2, 4, 8]) is None and asked == []
+    # A part-way record is not a choice: fit times again.
+    partial = dict(record, partial=True)
+    assert "by their least step cost" in make(prune_buckets=True).fit_buckets(_plain(at_ctx, empty), [1, 2, 4, 8],
+                                                                                 record=partial)
+
+    flat = make(prune_buckets=True)
+    flat.fit_buckets(_plain({b: 20 for b in (1, 2, 4, 8)}, {b: 20 for b in (1, 2, 4, 8)}), [1, 2, 4, 8])
+    assert all(flat.shapes_at(b) == shapes for b in (1, 2, 4, 8))
+    # Nothing pays anywhere: the smallest bucket keeps its best shape, so auto can still try one.
+    hopeless = AutoPolicy(shapes, prior=[0.01], prior_weight=EXACT, uninformed_weight=EXACT, prune_buckets=True)
+    hopeless.fit_buckets(_plain({1: 20, 2: 21}, {1: 20, 2: 30}), [1, 2])
+    assert hopeless.shapes_at(1) == (CHAINS[0],) and hopeless.shapes_at(2) == ()
 
 
 class _CutOff(Exception):

@@ -182,7 +182,7 @@ def test_a_policy_choosing_an_unlisted_shape_is_a_clear_error(target, draft):
     eng = Engine(target, draft, EngineConfig(sampled_steps=False, max_batch=1, max_seq_len=32, prompt_buckets=(16,), speculative=SPEC),
                  policy=Liar(), progress=False)
     eng.add_request([5, 6], _greedy(4))
-    with pytest.raises(ConfigError, match="chose 'chain S=2', which it did not list"):
+    with pytest.raises(ConfigError, match="chose 'chain S=2' at batch bucket 1, which it did not list"):
         eng.run_until_done()
 
 

@@ -127,7 +127,8 @@ def test_meshes_the_model_cannot_use_are_clear_errors(tables):
 @pytest.mark.slow
 def test_every_mesh_decodes_like_one_device():
     """(1, 8), (2, 4), (8, 1) against (1, 1): greedy tokens of 8 prompts through the
-    engine, plain and speculative (a chain and a tree), token for token."""
+    engine, plain and speculative (a chain and a tree; on (8, 1) plain and the tree),
+    token for token."""
     runs = _worker("engines", timeout=1200)["runs"]
     reference = runs["1x1 plain"]["tokens"]
     assert all(len(t) == 10 for t in reference) and len({tuple(t) for t in reference}) > 1
@@ -140,11 +141,11 @@ def test_every_mesh_decodes_like_one_device():
     assert "KV heads: 4 split over model" in runs["2x4 chain"]["describe"]
     assert "draft replicated over model" in runs["2x4 tree"]["describe"]
     # draft_sharding="model": the same tokens (checked above), the draft's parameters split over model.
-    for mesh in ("1x8", "2x4"):
-        for mode in ("chain", "tree"):
-            r = runs[f"{mesh} {mode} draft-split"]
-            assert "draft split over model" in r["describe"], r["describe"]
-            assert "['model']" in r["draft_specs"] and "[None, 'model']" in r["draft_specs"], r["draft_specs"]
+    assert {n for n in runs if n.endswith("draft-split")} == {"1x8 tree draft-split", "2x4 chain draft-split"}
+    for name in ("1x8 tree draft-split", "2x4 chain draft-split"):
+        r = runs[name]
+        assert "draft split over model" in r["describe"], r["describe"]
+        assert "['model']" in r["draft_specs"] and "[None, 'model']" in r["draft_specs"], r["draft_specs"]
     assert "batch rows split over data=8" in runs["8x1 plain"]["describe"]
 
 
@@ -179,7 +180,8 @@ def test_the_pallas_kernels_run_under_shard_map_on_a_mesh():
 def test_expert_parallel_moe_decodes_like_one_device():
     """A DeepSeek-V3 target with its routed experts split over the mesh's expert axis
     (float and INT4 experts): greedy tokens of every mesh, plain and speculative, equal
-    one device's; the experts' parameters are placed on ``expert`` (and their MLP width
+    one device's (float: plain and chain on every mesh, the tree on one device and
+    2x2x2; INT4: plain and chain on one device and 1x4x2); the experts' parameters are placed on ``expert`` (and their MLP width
     on ``model``); each MoE layer adds one all-reduce; meshes that cannot work are named."""
     out = _worker("experts", timeout=1200)
     runs = out["runs"]
@@ -188,6 +190,7 @@ def test_expert_parallel_moe_decodes_like_one_device():
         assert r["tokens"] == runs[f"{kind} 1x1x1 plain"]["tokens"], name
     assert len({tuple(t) for t in runs["f32 1x1x1 plain"]["tokens"]}) > 1
     assert "routed experts: 8 split over expert=8 (1 per device)" in runs["f32 1x8x1 chain"]["describe"]
+    assert {"f32 2x2x2 tree", "int4 1x4x2 chain", "int4 1x4x2 plain"} <= set(runs) and len(runs) == 14, sorted(runs)
     for key, specs in out["shardings"].items():
         assert specs and all(s[0] == "expert" for s in specs.values()), (key, specs)
         if key.startswith("f32"):

@@ -364,21 +364,28 @@ def test_speculative_generate_function_and_eos_mid_draft(target_dir, target, dra
     assert all(len(r.accept_lengths) >= 1 for r in res)
 
 
-@pytest.mark.slow
-@pytest.mark.smollm2
-@pytest.mark.parametrize("cfg", [CHAINS[2], TREES[0], TREES[1]], ids=_cfg_id)
-def test_smollm2_greedy_lossless(smollm2_dir, cfg):
-    """The real model: random draft (almost nothing accepted) and the oracle with noise."""
+@pytest.fixture(scope="module")
+def smollm2_plain(smollm2_dir):
+    """SmolLM2, its tokenizer, three chat prompts and their plain greedy continuations
+    (48 tokens), shared by the speculative shapes below: the reference is computed once."""
     from eagle_jax.checkpoint.tokenizer import Tokenizer
 
     tgt = load_model(smollm2_dir)
     tok = Tokenizer.from_dir(smollm2_dir)
-    drf = random_draft(tgt.config, seed=0, draft_vocab_size=4096)
     chats = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in chats]
     buckets = Buckets(batch=(1, 4), prompt=(64,), cache=(128,))
     sp = SamplingParams(max_new_tokens=48)
-    ref = Generator(tgt, tok, buckets=buckets).generate(prompts, sp)
+    return tgt, tok, prompts, buckets, sp, Generator(tgt, tok, buckets=buckets).generate(prompts, sp)
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.parametrize("cfg", [CHAINS[2], TREES[0], TREES[1]], ids=_cfg_id)
+def test_smollm2_greedy_lossless(smollm2_plain, cfg):
+    """The real model: random draft (almost nothing accepted) and the oracle with noise."""
+    tgt, tok, prompts, buckets, sp, ref = smollm2_plain
+    drf = random_draft(tgt.config, seed=0, draft_vocab_size=4096)
     gen = SpeculativeGenerator(tgt, drf, cfg, tok, buckets=buckets)
     for oracle, noise in ((None, 0.0), ([p + r.token_ids for p, r in zip(prompts, ref)], 0.3)):
         out = gen.generate(prompts, sp, oracle=oracle, oracle_noise=noise)

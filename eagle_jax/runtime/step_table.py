@@ -165,6 +165,15 @@ class BuildReport:
         return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s{threads}{split} (largest scratch "
                 f"{self.max_temp_bytes / 2**20:.1f} MiB, code {self.code_bytes / 2**20:.1f} MiB)")
 
+    def plus(self, other: "BuildReport | None") -> "BuildReport":
+        """This report and ``other``'s (graphs compiled after it, e.g. by ``build_later``)
+        as one: their graphs, seconds and timings added up."""
+        if other is None:
+            return self
+        return BuildReport(self.graphs + other.graphs, self.seconds + other.seconds, self.names + other.names,
+                           max(self.max_temp_bytes, other.max_temp_bytes), self.code_bytes + other.code_bytes,
+                           self.timings + other.timings, max(self.workers, other.workers))
+
     def slowest(self, n: int = 5) -> str:
         """The ``n`` graphs that took longest, with their split (for a debug log)."""
         top = sorted(self.timings, key=lambda t: -t.total_s)[:n]
@@ -301,6 +310,8 @@ class StepTable:
         self.report: BuildReport | None = None
         # Speculative graphs left to build_later (build(speculative_later=True)).
         self._later: list[tuple[str, tuple, Callable]] = []
+        # bucket -> the shapes compiled there, where prune_later left some out.
+        self._shapes_at: dict[int, tuple[SpeculativeConfig, ...]] = {}
 
     @functools.cached_property
     def params_signature(self) -> str:
@@ -569,7 +580,25 @@ class StepTable:
         self.report = self._compile(jobs, progress, "at start-up", workers=workers)
         return self.report
 
-    def build_later(self, stop: threading.Event | None = None, workers: int = 1) -> BuildReport | None:
+    def shapes_at(self, b: int) -> tuple[SpeculativeConfig, ...]:
+        """The speculative shapes compiled (or to be compiled) in batch bucket ``b``."""
+        return self._shapes_at.get(b, self.shapes)
+
+    def prune_later(self, shapes_at: Callable[[int], Sequence[SpeculativeConfig]]) -> int:
+        """Leave out of ``build_later`` the speculative graphs of every bucket ``b`` whose
+        shape is not in ``shapes_at(b)`` (a policy's ``shapes_at``, fitted before they
+        compile); returns how many graphs were left out. The state layout stays the one
+        for every shape, so a bucket's rows move to any other without change."""
+        if any(_is_speculative(k) for k in self._graphs):
+            raise ConfigError("prune_later() after the speculative graphs were compiled")
+        kept = {b: tuple(s for s in self.shapes if s in tuple(shapes_at(b))) for b in self.batch_buckets}
+        before = len(self._later)
+        self._later = [j for j in self._later if j[1][2] in kept[j[1][1]]]
+        self._shapes_at = {b: v for b, v in kept.items() if v != self.shapes}
+        return before - len(self._later)
+
+    def build_later(self, stop: threading.Event | None = None, workers: int = 1,
+                    when: str = "in the background") -> BuildReport | None:
         """Compile the graphs ``build(speculative_later=True)`` left out (any thread may
         call it while another runs the table's compiled graphs: it only adds graphs);
         returns their report, or None when ``stop`` was set before the last one (checked
@@ -577,7 +606,7 @@ class StepTable:
         time by default: the engine's steps keep the other cores."""
         if self.report is None:
             raise CompileAfterBuildError("build_later() before build(): nothing was compiled yet")
-        report = self._compile(self._later, False, "in the background", stop, workers=workers)
+        report = self._compile(self._later, False, when, stop, workers=workers)
         if report is not None:
             self._later = []
         return report
@@ -722,6 +751,11 @@ class StepTable:
                 raise CompileAfterBuildError(f"graph {key} is still compiling in the background (build_later)")
             if self.report is None and not self._graphs:
                 raise CompileAfterBuildError(f"step table not built yet (graph {key} asked for); call build() first")
+            if len(key) > 2 and key[0] in ("step", "draft", "verify") and key[1] in self._shapes_at \
+                    and key[2] is not None and key[2] not in self._shapes_at[key[1]]:
+                raise CompileAfterBuildError(
+                    f"graph {key} was left out at start-up: batch bucket {key[1]} compiles only "
+                    f"{[s.shape for s in self._shapes_at[key[1]]] or 'the plain step'} (the policy's shapes_at)")
             raise CompileAfterBuildError(
                 f"graph {key} was not compiled at start-up; the table holds batch buckets {self.batch_buckets}, "
                 f"prompt buckets {self.prompt_buckets}, shapes {[s.shape for s in self.shapes]}"

@@ -79,6 +79,11 @@ class EngineConfig:
         costs against a plain step (``policy.prune_by_prior`` under
         ``policy.draft_step_share`` of the loaded models) are kept: the others can never
         pay, and are never compiled. Shapes given here are all compiled).
+      spec_prune_buckets: with the default candidates and a draft's model card, leave out
+        at each batch bucket the shapes that cannot pay there (``AutoPolicy.fit_buckets``:
+        the least a verify of that many tokens costs, from plain steps timed at start-up,
+        against the prior's optimistic accept length), so they are never compiled nor
+        calibrated. Shapes given in ``spec_shapes`` are compiled at every bucket.
       spec_calibration_s: the "auto" policy's start-up timing budget in seconds.
       spec_calibration_context: the committed positions of every row while the "auto"
         policy times the steps (default ``max_seq_len // 2``): a tree's verify attends
@@ -147,6 +152,7 @@ class EngineConfig:
     spec_hysteresis_steps: int = 4
     spec_policy: str | None = None
     spec_shapes: tuple[SpeculativeConfig, ...] | None = None
+    spec_prune_buckets: bool = True
     spec_calibration_s: float = 20.0
     spec_calibration_context: int | None = None
     detect_nan: bool = False
@@ -221,6 +227,7 @@ class EngineConfig:
         flag("time_phases", self.time_phases)
         flag("calibration_cache", self.calibration_cache)
         flag("recalibrate", self.recalibrate)
+        flag("spec_prune_buckets", self.spec_prune_buckets)
         flag("background_compile", self.background_compile)
         if self.background_compile and policy == "fixed":
             raise ConfigError("background_compile serves plain steps until the speculative ones are compiled; "
@@ -247,14 +254,16 @@ def default_policy(config: EngineConfig, draft_dir: str | Path | None = None, *,
         prior = card_acceptance(draft_dir) if draft_dir is not None else None
         shapes, pruned = config.spec_shapes, ()
         floor = AUTO_MIN_DEPTH_GAIN if draft_share is None else draft_share
+        by_bucket = False
         if shapes is None:
             shapes = parse_shapes(DEFAULT_AUTO_SHAPES, **fields)
             # The default candidates only: shapes the user listed are all compiled.
             if prior is not None:
                 shapes, pruned = prune_by_prior(shapes, prior, min_gain=floor)
+                by_bucket = config.spec_prune_buckets
         return AutoPolicy(shapes, prior=prior, hysteresis=config.spec_hysteresis_steps,
                           calibration_budget_s=config.spec_calibration_s, pruned=pruned,
-                          pruned_below=floor)
+                          pruned_below=floor, prune_buckets=by_bucket)
     if name == "fixed":
         return FixedPolicy(config.speculative)
     return ThresholdPolicy(config.speculative, config.spec_disable_batch_threshold, config.spec_hysteresis_steps)

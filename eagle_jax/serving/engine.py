@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.checkpoint.load import load_models, tokenizer_for
+from eagle_jax.defaults import compile_workers
 from eagle_jax.errors import ConfigError, EagleJaxError, InputError
 from eagle_jax.models.draft import Eagle3Draft, check_compatible
 from eagle_jax.models.target import TargetModel
@@ -145,8 +146,9 @@ class Engine:
         # Speculative graphs compiling in another thread (background_compile), or None.
         self._background = None
         if built.background:
+            fit = functools.partial(_fit_buckets, self.policy, self.table, config, *built.calibration_for)
             calibrate = functools.partial(_calibrate, self.policy, self.table, config, *built.calibration_for)
-            self._background = _BackgroundCompile(self.table, calibrate)
+            self._background = _BackgroundCompile(self.table, fit, calibrate)
         self._proposer_rows = proposer_rows
         self._pending = None  # the launched step whose results are read next
         self._last_shape: SpeculativeConfig | None = None
@@ -285,10 +287,13 @@ class Engine:
         if self._background is not None and policy_shapes(policy):
             raise ConfigError("use_policy(): the speculative steps are still compiling in the background "
                               "(wait_for_speculation() first)")
-        missing = [s.shape for s in policy_shapes(policy) if s not in self.table.shapes]
+        policy_shapes(policy)  # checks what it lists
+        missing = sorted({f"{s.shape} at batch bucket {b}" for b in self.table.batch_buckets for s in policy.shapes_at(b)
+                          if s not in self.table.shapes_at(b)})
         if missing:
-            raise ConfigError(f"policy {policy.describe()!r} needs shapes this engine did not compile: {missing} "
-                              f"(compiled: {[s.shape for s in self.table.shapes]})")
+            raise ConfigError(f"policy {policy.describe()!r} needs steps this engine did not compile: {missing} "
+                              f"(compiled: " + "; ".join(f"{b}: {[s.shape for s in self.table.shapes_at(b)]}"
+                                                         for b in self.table.batch_buckets) + ")")
         if policy.runs_plain and not self.table.plain:
             raise ConfigError(f"policy {policy.describe()!r} may run the plain step, which this engine did not compile")
         self.policy = policy
@@ -323,8 +328,8 @@ class Engine:
         self.metrics.compiles_at_ready = compile_count()
         self._background = None
         bg.shut_down()  # finished: only drops its exit hook
-        log.info("eagle-jax speculation ready %.1f s after start-up: %s in the background%s", bg.ready_s,
-                 bg.report.describe(), f"; {bg.calibration}" if bg.calibration else "")
+        log.info("eagle-jax speculation ready %.1f s after start-up: %s in the background%s%s", bg.ready_s,
+                 bg.report.describe(), f"; {bg.fit}" if bg.fit else "", f"; {bg.calibration}" if bg.calibration else "")
         return True
 
     def wait_for_speculation(self, timeout: float | None = None) -> bool:
@@ -422,10 +427,10 @@ class Engine:
         shape = self.policy.choose(b) if self.speculation_ready else None
         if shape is None and not self.table.plain:
             raise ConfigError(f"policy {type(self.policy).__name__} chose the plain step but says runs_plain=False")
-        if shape is not None and shape not in self.table.shapes:
+        if shape is not None and shape not in self.table.shapes_at(b):
             raise ConfigError(
-                f"policy {type(self.policy).__name__} chose {shape.shape!r}, which it did not list in its shapes "
-                f"(compiled: {[s.shape for s in self.table.shapes]})"
+                f"policy {type(self.policy).__name__} chose {shape.shape!r} at batch bucket {b}, which it did not list "
+                f"in its shapes there (compiled: {[s.shape for s in self.table.shapes_at(b)]})"
             )
         if self._steps_run and shape != self._last_shape:
             self.metrics.mode_switches += 1
@@ -528,22 +533,27 @@ class _Built:
 
 
 class _BackgroundCompile:
-    """A daemon thread that compiles the speculative graphs (``StepTable.build_later``),
-    then calibrates the policy (``calibrate(stop)``: from the calibration cache, or timed here,
-    beside the steps the engine runs meanwhile, rather than stalling them); ``done`` is
+    """A daemon thread that lets the policy leave out shapes per batch bucket
+    (``fit(stop)``, ``_fit_buckets``), compiles the speculative graphs it kept
+    (``StepTable.build_later``), then calibrates the policy (``calibrate(stop)``: from
+    the calibration cache, or timed here, beside the steps the engine runs meanwhile,
+    rather than stalling them); ``done`` is
     set when it has finished, with ``report`` and the ``calibration`` line, or the
     ``error`` it raised. Until ``done`` the engine neither asks nor shows the policy
     anything, so the policy is this thread's alone."""
 
-    def __init__(self, table: StepTable, calibrate: Callable[[threading.Event], str | None]):
+    def __init__(self, table: StepTable, fit: Callable[[threading.Event], str | None],
+                 calibrate: Callable[[threading.Event], str | None]):
         self.t0 = time.perf_counter()
         self.report = None
+        self.fit: str | None = None
         self.calibration: str | None = None
         self.ready_s = 0.0
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(table, calibrate), name="eagle-jax-compile", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(table, fit, calibrate), name="eagle-jax-compile",
+                                        daemon=True)
         self._thread.start()
         # A process that ends while XLA still compiles here crashed at exit (SIGSEGV, seen
         # with a short `generate --background-compile`): at exit, stop between graphs and
@@ -555,8 +565,10 @@ class _BackgroundCompile:
         self._thread.join()
         atexit.unregister(self.shut_down)
 
-    def _run(self, table: StepTable, calibrate: Callable[[threading.Event], str | None]) -> None:
+    def _run(self, table: StepTable, fit: Callable[[threading.Event], str | None],
+             calibrate: Callable[[threading.Event], str | None]) -> None:
         try:
+            self.fit = fit(self.stop)
             self.report = table.build_later(self.stop)
             if self.report is None:
                 raise ConfigError("the background compile was stopped (the process is exiting)")
@@ -646,12 +658,21 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
         # Each process would start speculating at its own step, and the processes'
         # collectives would wait on each other for good.
         raise ConfigError("background_compile runs in one process: across processes every step must be the same graph")
-    report = table.build(progress, speculative_later=background)
+    # A policy that leaves shapes out per bucket (fit_buckets) times plain steps first:
+    # the speculative graphs compile after it has chosen.
+    fits = bool(shapes) and policy.prune_buckets
+    report = table.build(progress, speculative_later=background or fits)
     if background:
         calibration = (f"{table.speculative_pending} speculative graphs compiling in the background, then the policy "
                        "calibrates there: plain steps until both are done")
     else:
+        fit = _fit_buckets(policy, table, config, target_path, draft_path) if fits else None
+        if fits:
+            report = report.plus(table.build_later(workers=compile_workers(), when="at start-up"))
+            table.report = report
         calibration = _calibrate(policy, table, config, target_path, draft_path)
+        if fit:
+            calibration = f"{fit}; {calibration}" if calibration else fit
     features = f"; draft features {_feature_layers(target)}" if table.draft is not None else ""
     describe = (
         f"target {target.config.architecture} ({target.config.num_hidden_layers} layers); "
@@ -664,6 +685,37 @@ def _build(target, draft, config: EngineConfig, tokenizer, policy, proposer: Pro
     return _Built(config, target, draft, tokenizer, policy, table, describe, background, (target_path, draft_path))
 
 
+def _calibration_cache(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path,
+                       draft_path) -> CalibrationCache | None:
+    """The per-machine calibration cache entry of this engine's policy and table, or None
+    (off, or models not given as directories)."""
+    if not config.calibration_cache:
+        return None
+    return CalibrationCache.for_engine(target=target_path, draft=draft_path, engine={
+        "table": table.describe(), "dtype": config.dtype, "context": config.spec_calibration_context,
+        "budget_s": config.spec_calibration_s, "buckets": list(config.batch_buckets), "policy": policy.describe(),
+        "class": type(policy).__qualname__, "shapes": [s.shape for s in policy.shapes],
+    })
+
+
+def _fit_buckets(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path, draft_path,
+                 stop: threading.Event | None = None) -> str | None:
+    """Let the policy leave out shapes per batch bucket (``fit_buckets``: from the
+    calibration cache's record, or from plain steps timed here) and the table leave their
+    graphs uncompiled; the start-up line's part, or None when nothing is left out."""
+    if not policy.prune_buckets:
+        return None
+    cache = _calibration_cache(policy, table, config, target_path, draft_path)
+    record = cache.load() if cache is not None and not config.recalibrate else None
+    line = policy.fit_buckets(lambda b, ctx: table.time_step(b, None, ctx), config.batch_buckets, record=record,
+                              context=config.spec_calibration_context)
+    if line is None:
+        return None
+    dropped = table.prune_later(policy.shapes_at)
+    log.debug("speculative graphs left out per batch bucket: %d", dropped)
+    return line
+
+
 def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig, target_path, draft_path,
                stop: threading.Event | None = None) -> str | None:
     """The policy's start-up timings: read from the per-machine cache when an earlier
@@ -672,13 +724,7 @@ def _calibrate(policy: SpeculationPolicy, table: StepTable, config: EngineConfig
     ``stop`` (the background compile's, set at the process's exit): checked after each
     bucket, once what was measured is saved, so an exit waits for one bucket at most."""
     ctx = config.spec_calibration_context
-    cache = None
-    if config.calibration_cache:
-        cache = CalibrationCache.for_engine(target=target_path, draft=draft_path, engine={
-            "table": table.describe(), "dtype": config.dtype, "context": ctx, "budget_s": config.spec_calibration_s,
-            "buckets": list(config.batch_buckets), "policy": policy.describe(), "class": type(policy).__qualname__,
-            "shapes": [s.shape for s in policy.shapes],
-        })
+    cache = _calibration_cache(policy, table, config, target_path, draft_path)
     record = None
     if cache is not None and not config.recalibrate:
         record = cache.load()

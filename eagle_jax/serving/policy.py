@@ -44,6 +44,9 @@ class SpeculationPolicy:
 
     shapes: tuple[SpeculativeConfig, ...] = ()
     runs_plain: bool = True
+    # Whether fit_buckets may leave shapes out per batch bucket: the engine then compiles
+    # the speculative steps only after it has timed the plain ones.
+    prune_buckets: bool = False
     # Whether choose() depends on measured step times. The engine refuses such a policy
     # on a mesh over several processes: each would measure its own times and could
     # launch another graph than the others, and their collectives would wait for good.
@@ -58,6 +61,24 @@ class SpeculationPolicy:
         (``[n]``; 1 for plain steps) and, when the engine could time it, the seconds it
         cost in the loop (``metrics.StepTimings``: results to results, the same step
         before it, nothing else queued between; else None)."""
+
+    def shapes_at(self, bucket: int) -> tuple[SpeculativeConfig, ...]:
+        """The shapes this policy may choose in batch bucket ``bucket`` (the step table
+        compiles exactly these there): all of ``shapes`` unless ``fit_buckets`` left
+        some out."""
+        return self.shapes
+
+    def fit_buckets(self, time_plain: Callable[[int, int], float], buckets: Sequence[int], *,
+                    record: dict | None = None, context: int = 0) -> str | None:
+        """Called once the plain steps are compiled and before the speculative ones are:
+        a policy may leave out, per batch bucket, shapes that cannot pay there
+        (``shapes_at``), so they are never compiled. ``time_plain(bucket, context)`` times
+        one plain step; ``record``: a ``calibration_record()`` of an earlier engine of the
+        same key (the cache), whose choice is taken instead of timing again where it
+        fits; ``context``: the calibration's committed positions a row. Returns a line for
+        the start-up log, or None (the default, and with ``prune_buckets`` off: every shape
+        in every bucket)."""
+        return None
 
     def calibrate(self, time_step: Callable[[int, SpeculativeConfig | None], float], buckets: Sequence[int], *,
                   resume: dict | None = None, on_progress: Callable[[dict], None] | None = None) -> str | None:
@@ -243,6 +264,26 @@ def prune_by_prior(
     return kept, tuple(s for s in shapes if s not in kept)
 
 
+def least_step_seconds(bucket: int, shape: SpeculativeConfig, plain: dict, plain_empty: dict) -> float:
+    """The least a speculative step of ``shape`` can cost at ``bucket`` rows, from plain
+    steps timed per bucket at the calibration context (``plain``) and at an empty one
+    (``plain_empty``), {bucket: seconds}: its verify forward runs the target over
+    ``bucket * num_draft_tokens`` tokens (the products of a plain step of that many rows,
+    with no context to attend over: ``plain_empty`` interpolated linearly between
+    buckets, and past the largest along the slope of its last segment) and attends over
+    ``bucket`` rows' contexts (what the context added to the plain step of ``bucket``
+    rows); the draft's own steps come on top, so they are left out."""
+    xs = sorted(plain_empty)
+    ys = [plain_empty[x] for x in xs]
+    n = bucket * shape.num_draft_tokens
+    if n <= xs[-1]:
+        forward = float(np.interp(n, xs, ys))
+    else:
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) if len(xs) > 1 else 0.0
+        forward = ys[-1] + slope * (n - xs[-1])
+    return forward + max(0.0, plain[bucket] - plain_empty[bucket])
+
+
 def parse_shapes(text: str | Sequence[str], **fields) -> tuple[SpeculativeConfig, ...]:
     """``"chain S=1, chain S=2, tree S=3 k=4 T=8"`` (or a list of such strings) as
     configs, in order, without repeats; an empty list or a bad entry is a ``ConfigError``."""
@@ -368,7 +409,7 @@ class AutoPolicy(SpeculationPolicy):
         uninformed_weight: float = 4.0, margin: float = 0.03, hysteresis: int = 4, explore_every: int = 16,
         explore_max: int | None = None, probe_steps: int = 2, timing_doubt: float = 0.1, timing_smoothing: float = 0.05,
         calibration_budget_s: float = 20.0, calibration_rounds: int = 5, pruned: Sequence[SpeculativeConfig] = (),
-        pruned_below: float = AUTO_MIN_DEPTH_GAIN,
+        pruned_below: float = AUTO_MIN_DEPTH_GAIN, prune_buckets: bool = False,
     ):
         shapes = tuple(dict.fromkeys(shapes))
         if not shapes:
@@ -397,6 +438,9 @@ class AutoPolicy(SpeculationPolicy):
         self.shapes = shapes
         self.pruned = tuple(pruned)  # candidates left out before compiling (``prune_by_prior``), for the log
         self.pruned_below = pruned_below  # the depth gain they were pruned under
+        # fit_buckets leaves out, per batch bucket, the shapes that cannot pay there.
+        self.prune_buckets = bool(prune_buckets)
+        self._at: dict = {}  # bucket -> the shapes kept there (fit_buckets); absent: all of them
         self.prior_source = "model card" if prior is not None else "none (0.5 per depth)"
         self.margin, self.hysteresis, self.explore_every, self.explore_max = margin, hysteresis, explore_every, explore_max
         self.probe_steps = probe_steps
@@ -446,7 +490,8 @@ class AutoPolicy(SpeculationPolicy):
         if shape is None:
             return t
         cal = self.calibration.seconds
-        smaller = [None] + [s for s in self.shapes if shape.is_chain and s.is_chain and s.num_steps < shape.num_steps]
+        smaller = [None] + [s for s in self.shapes_at(bucket)
+                            if shape.is_chain and s.is_chain and s.num_steps < shape.num_steps]
         for s in smaller:
             t = max(t, self._corrected_seconds(bucket, s) + cal[(bucket, shape)] - cal[(bucket, s)])
         return t
@@ -464,11 +509,86 @@ class AutoPolicy(SpeculationPolicy):
     def predicted_tokens_per_second(self, bucket: int, shape: SpeculativeConfig | None, optimism: float = 0.0) -> float:
         return bucket * self.expected_length(shape, optimism) / self.step_seconds(bucket, shape)
 
-    def options(self) -> tuple:
-        return (None,) + self.shapes
+    def options(self, bucket: int | None = None) -> tuple:
+        """Plain and the shapes of ``bucket`` (None: every shape of any bucket)."""
+        return (None,) + (self.shapes if bucket is None else self.shapes_at(bucket))
+
+    def shapes_at(self, bucket: int) -> tuple[SpeculativeConfig, ...]:
+        return self._at.get(bucket, self.shapes)
+
+    def _option_counts(self, buckets: Sequence[int]) -> str:
+        """"x 6 options", or "with 1/3/6 options" where fit_buckets left some out."""
+        counts = sorted({len(self.options(b)) for b in buckets}) or [len(self.options())]
+        return f"x {counts[0]} options" if len(counts) == 1 else f"with {'/'.join(map(str, counts))} options"
+
+    # -- which shapes each bucket compiles
+
+    def fit_buckets(self, time_plain: Callable[[int, int], float], buckets: Sequence[int], *,
+                    record: dict | None = None, context: int = 0, rounds: int = 3) -> str | None:
+        """Leave out, per batch bucket, the shapes that cannot pay there, before they are
+        compiled (with ``prune_buckets``; else nothing).
+
+        A speculative step of a shape verifying T tokens a row, at b rows, runs at least
+        the target's forward over b*T tokens, and attends over b rows' contexts. So it
+        costs at least ``least_step_seconds``: a plain step of b*T rows at an empty
+        context (the products; interpolated between the buckets' timings, extrapolated
+        past the largest one along its last segment) plus what attending over the
+        context added to the plain step of b rows. A shape is kept at bucket b only if
+        even its optimistic expected accept length (``expected_length(shape,
+        optimism=1)``, the bound the policy's exploration probes under) times plain's
+        rate beats that least time: otherwise auto could never choose it there, not even
+        to probe it. Where no shape passes in the smallest bucket its best one is kept,
+        so speculation stays possible.
+
+        On the 2-core CPU with SmolLM2-135M a plain step of 16 rows costs 2.5x one of 1,
+        so buckets 8 and 16 keep few or no shapes; on a GPU a step is flat in rows up to
+        hundreds and every shape is kept.
+
+        ``time_plain(bucket, context)``: seconds of one plain step at ``context``
+        committed positions (the calibration's ``context`` and an empty one), the median
+        of ``rounds`` after a warm-up. ``record``: an earlier engine's calibration of the
+        same key (``serving.calibration``): when it covers every bucket, its shapes per
+        bucket are taken as they are (a warm start compiles what the cold one did)."""
+        if not self.prune_buckets:
+            return None
+        kept = self._record_shapes(record, buckets) if isinstance(record, dict) and not record.get("partial") else None
+        if kept is not None:
+            self._at = kept
+            return f"shapes per batch bucket from the calibration cache: {self._describe_at(buckets)}"
+        t0 = time.perf_counter()
+        at_ctx, empty = {}, {}
+        for b in buckets:
+            for ctx, out in ((context, at_ctx), (0, empty)):
+                time_plain(b, ctx)  # warm-up: first runs allocate
+                out[b] = float(np.median([time_plain(b, ctx) for _ in range(rounds)]))
+        self._at = {}
+        smallest = min(buckets)
+        for b in buckets:
+            keep = tuple(s for s in self.shapes
+                         if self.expected_length(s, optimism=1.0) * at_ctx[b] > least_step_seconds(b, s, at_ctx, empty))
+            if not keep and b == smallest:
+                keep = (max(self.shapes, key=lambda s: self.expected_length(s, optimism=1.0)
+                            * at_ctx[b] / least_step_seconds(b, s, at_ctx, empty)),)
+            self._at[b] = keep
+        plain = ", ".join(f"{b}: {1000 * at_ctx[b]:.1f}/{1000 * empty[b]:.1f}" for b in buckets)
+        return (f"shapes per batch bucket by their least step cost (plain step ms at context {context}/empty: {plain}; "
+                f"{time.perf_counter() - t0:.1f} s): {self._describe_at(buckets)}")
+
+    def _describe_at(self, buckets: Sequence[int]) -> str:
+        left = sum(len(self.shapes) - len(self.shapes_at(b)) for b in buckets)
+        return ("; ".join(f"{b}: {', '.join(s.shape for s in self.shapes_at(b)) or 'plain only'}" for b in buckets)
+                + f" ({left} of {len(self.shapes) * len(buckets)} speculative steps left out)")
+
+    def _record_shapes(self, record: dict, buckets: Sequence[int]) -> dict | None:
+        """{bucket: shapes} that ``record`` timed, when it covers every bucket with plain
+        and shapes of this policy; else None."""
+        rows = self._record_rows(record, buckets)
+        if sorted(rows) != sorted(buckets):
+            return None
+        return {b: tuple(s for s in self.shapes if s in row) for b, row in rows.items()}
 
     def best(self, bucket: int) -> SpeculativeConfig | None:
-        rates = {o: self.predicted_tokens_per_second(bucket, o) for o in self.options()}
+        rates = {o: self.predicted_tokens_per_second(bucket, o) for o in self.options(bucket)}
         return max(rates, key=rates.get)
 
     # -- start-up
@@ -487,13 +607,14 @@ class AutoPolicy(SpeculationPolicy):
         a short run, which the process's end cuts off, so still adds up over runs."""
         t0 = time.perf_counter()
         known = self._record_rows(resume, buckets) if isinstance(resume, dict) else {}
+        known = {b: row for b, row in known.items() if set(row) == set(self.options(b))}
         try:
             prior_wall, prior_rounds = (float(resume["wall_s"]), int(resume["rounds"])) if known else (0.0, None)
         except (KeyError, TypeError, ValueError):  # a record of another layout: measure everything
             known, prior_wall, prior_rounds = {}, 0.0, None
         todo = sorted(b for b in buckets if b not in known)
         medians = {(b, o): s for b, row in known.items() for o, s in row.items()}
-        keys = [(b, o) for b in todo for o in self.options()]
+        keys = [(b, o) for b in todo for o in self.options(b)]
         samples: dict = {k: [] for k in keys}
         for k in keys:  # warm-up: first runs allocate
             time_step(*k)
@@ -504,7 +625,7 @@ class AutoPolicy(SpeculationPolicy):
             start, rounds = time.perf_counter(), 0
             while rounds < self.calibration_rounds:
                 r0 = time.perf_counter()
-                for o in self.options():
+                for o in self.options(b):
                     samples[(b, o)].append(time_step(b, o))
                 rounds += 1
                 now = time.perf_counter()
@@ -512,38 +633,43 @@ class AutoPolicy(SpeculationPolicy):
                     break
             per_bucket[b] = rounds
             rounds_done.append(rounds)
-            medians.update({(b, o): float(np.median(samples[(b, o)])) for o in self.options()})
+            medians.update({(b, o): float(np.median(samples[(b, o)])) for o in self.options(b)})
             if on_progress is not None and b != todo[-1]:
                 on_progress(self._record(medians, min(rounds_done), prior_wall + time.perf_counter() - t0, partial=True))
         self.calibration = Calibration(
-            _monotone(medians, buckets, self.shapes),
+            _monotone(medians, buckets, self.shapes_at),
             min(rounds_done), prior_wall + time.perf_counter() - t0, self.calibration_budget_s,
         )
         resumed = f"; {len(known)} buckets resumed from an earlier run" if known else ""
-        return (f"calibrated {len(keys)} steps ({len(todo)} batch buckets x {len(self.options())} options{resumed}) in "
+        return (f"calibrated {len(keys)} steps ({len(todo)} batch buckets {self._option_counts(todo)}{resumed}) in "
                 f"{time.perf_counter() - t0:.1f} s (rounds after a warm-up per bucket: "
                 + ", ".join(f"{b}: {per_bucket[b]}" for b in sorted(per_bucket)) + f"; budget {self.calibration_budget_s:g} s); "
                 f"predicted best: "
                 + ", ".join(f"{b}: {_name(self.best(b))}" for b in buckets))
 
     def _record(self, seconds: dict, rounds: int, wall_s: float, partial: bool = False) -> dict:
+        """Seconds by bucket and option (null: a shape ``fit_buckets`` left out there)."""
         buckets = sorted({b for b, _ in seconds})
         return {"options": [_name(o) for o in self.options()], "buckets": buckets, "rounds": rounds, "wall_s": wall_s,
                 "budget_s": self.calibration_budget_s, "partial": partial,
-                "seconds": [[seconds[(b, o)] for o in self.options()] for b in buckets]}
+                "seconds": [[seconds.get((b, o)) for o in self.options()] for b in buckets]}
 
     def _record_rows(self, record: dict, buckets: Sequence[int]) -> dict:
-        """{bucket: {option: seconds}} of ``record`` for those of ``buckets`` it holds;
-        {} when it is of another option set or layout (then everything is measured)."""
+        """{bucket: {option: seconds}} of ``record`` for those of ``buckets`` it holds (a
+        null is a shape left out there); {} when it is of another option set or layout
+        (then everything is measured). A row without plain, or with a shape left out
+        where this policy does not leave shapes out, is not taken."""
         try:
             names, got, seconds = record["options"], record["buckets"], record["seconds"]
             if names != [_name(o) for o in self.options()]:
                 return {}
-            rows = {int(b): {o: float(s) for o, s in zip(self.options(), row, strict=True)}
+            rows = {int(b): {o: float(s) for o, s in zip(self.options(), row, strict=True) if s is not None}
                     for b, row in zip(got, seconds, strict=True)}
         except (KeyError, TypeError, ValueError):  # a record of another layout: measure instead
             return {}
-        return {b: row for b, row in rows.items() if b in set(buckets) and all(s > 0 for s in row.values())}
+        full = len(self.options())
+        return {b: row for b, row in rows.items() if b in set(buckets) and None in row and all(s > 0 for s in row.values())
+                and (self.prune_buckets or len(row) == full)}
 
     def calibration_record(self) -> dict | None:
         if self.calibration is None:
@@ -557,9 +683,11 @@ class AutoPolicy(SpeculationPolicy):
         rows = self._record_rows(record, buckets)
         if record.get("partial") or sorted(rows) != sorted(buckets):
             return None  # part of it, at most: calibrate(resume=record) measures the rest
+        if any(set(row) != set(self.options(b)) for b, row in rows.items()):
+            return None  # timed for other shapes per bucket than this table compiled
         try:
             table = {(b, o): s for b, row in rows.items() for o, s in row.items()}
-            self.calibration = Calibration(_monotone(table, buckets, self.shapes), int(record["rounds"]),
+            self.calibration = Calibration(_monotone(table, buckets, self.shapes_at), int(record["rounds"]),
                                            float(record["wall_s"]), float(record["budget_s"]))
         except (KeyError, TypeError, ValueError):  # a record of another layout: measure instead
             return None
@@ -611,7 +739,7 @@ class AutoPolicy(SpeculationPolicy):
         """(True, the option worth one exploratory step; None is plain) or (False, None)."""
         here = self.predicted_tokens_per_second(bucket, cur)
         hopes = {}
-        for o in self.options():
+        for o in self.options(bucket):
             if o == cur:
                 continue
             hope = self.predicted_tokens_per_second(bucket, o, optimism=1.0)
@@ -657,9 +785,9 @@ class AutoPolicy(SpeculationPolicy):
         for b in sorted({b for b, _ in self.calibration.seconds}):
             out[b] = {
                 "chosen": _name(self._current.get(b, self.best(b))),
-                "predicted_tokens_per_second": {_name(o): round(self.predicted_tokens_per_second(b, o), 2) for o in self.options()},
-                "expected_accept_length": {_name(o): round(self.expected_length(o), 3) for o in self.options()},
-                "step_ms": {_name(o): round(1000 * self.step_seconds(b, o), 3) for o in self.options()},
+                "predicted_tokens_per_second": {_name(o): round(self.predicted_tokens_per_second(b, o), 2) for o in self.options(b)},
+                "expected_accept_length": {_name(o): round(self.expected_length(o), 3) for o in self.options(b)},
+                "step_ms": {_name(o): round(1000 * self.step_seconds(b, o), 3) for o in self.options(b)},
             }
         return out
 
@@ -671,14 +799,15 @@ class AutoPolicy(SpeculationPolicy):
                 f"backing off to {self.explore_max} while the choice stands, {self.probe_steps} steps a probe)")
 
 
-def _monotone(seconds: dict, buckets: Sequence[int], shapes: Sequence[SpeculativeConfig]) -> dict:
+def _monotone(seconds: dict, buckets: Sequence[int], shapes_at: Callable[[int], Sequence[SpeculativeConfig]]) -> dict:
     """Timings made consistent with the work each step does, since a few noisy rounds can
     order them wrongly: a speculative step does the plain step's forward and more, and a
     chain of S+1 steps does what one of S does and more, so neither may come out cheaper
-    (each is raised to the larger of the two)."""
+    (each is raised to the larger of the two). ``shapes_at(bucket)``: the shapes timed there."""
     out = dict(seconds)
-    chains = sorted((s for s in shapes if s.is_chain), key=lambda s: s.num_steps)
     for b in buckets:
+        shapes = shapes_at(b)
+        chains = sorted((s for s in shapes if s.is_chain), key=lambda s: s.num_steps)
         plain = out[(b, None)]
         for s in shapes:
             out[(b, s)] = max(out[(b, s)], plain)
