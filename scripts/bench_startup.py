@@ -63,6 +63,9 @@ def run_once(args, mode: str, cache: Path, prompt_file: Path, out_jsonl: Path) -
     p.wait()
     wall = time.perf_counter() - t0
     log = "".join(lines)
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        (args.log_dir / f"{out_jsonl.stem}.log").write_text(log)
     if p.returncode != 0:
         raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode}):\n{log[-4000:]}")
     ready = list(READY.finditer(log))  # the engine-ready line first (a background report may follow)
@@ -103,6 +106,9 @@ def main() -> int:
                    help="runs per mode: cold, then warm ones over the same caches (3: a second warm run, which "
                         "shows what a cut-off background calibration left to the next)")
     p.add_argument("--out", type=Path, default=REPO / "results" / "startup")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="also write each run's log (-v: every graph's trace/lower/compile seconds) there, as "
+                        "'<mode>-<cold|warm>.log' (logs name local paths: keep them out of results/)")
     args = p.parse_args()
     if args.runs < 1:
         p.error("--runs must be at least 1")
