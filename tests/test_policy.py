@@ -402,6 +402,17 @@ def test_the_engine_compiles_per_bucket_only_the_shapes_that_can_pay(tmp_path, m
     assert {b: again.table.shapes_at(b) for b in (1, 2, 4)} == {b: eng.table.shapes_at(b) for b in (1, 2, 4)}
     assert again.table.report.graphs == eng.table.report.graphs
     assert [c.token_ids for c in again.generate(prompts, params)] == want
+    del eng, again
+
+    # The background compile fits in its thread (timing again: recalibrate), then compiles the kept steps.
+    timed.clear()
+    bg = Engine(str(tdir), str(ddir), EngineConfig(max_batch=4, max_seq_len=32, prompt_buckets=(16,), spec_calibration_s=0.5,
+                                                   sampled_steps=False, background_compile=True, recalibrate=True),
+                progress=False)
+    assert bg.wait_for_speculation(timeout=600)
+    assert {b: bg.table.shapes_at(b) for b in (1, 2, 4)} == {1: (chain1, chain2), 2: (), 4: ()}
+    assert (1, None) in timed and {(b, s) for b, s in timed if s is not None} == {(1, chain1), (1, chain2)}
+    assert [c.token_ids for c in bg.generate(prompts, params)] == want
 
 
 def test_bad_settings_and_shapes_are_named(tmp_path):
