@@ -32,7 +32,9 @@ log = logging.getLogger("eagle_jax.cli")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-jax", description="EAGLE-3 speculative decoding in JAX.")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log at INFO level; -vv also eagle-jax's DEBUG lines (every graph's trace, lower and compile "
+                        "seconds at start-up)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text from prompts", description="Generate text with the target model.")
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Start-up lines (what was loaded, what is compiled, what speculation does) always show.
-    logging.getLogger("eagle_jax").setLevel(logging.INFO)
+    logging.getLogger("eagle_jax").setLevel(logging.DEBUG if args.verbose > 1 else logging.INFO)
     try:
         return args.func(args)
     except EagleJaxError as e:

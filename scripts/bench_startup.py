@@ -48,7 +48,7 @@ SPEC_READY = re.compile(r"speculation ready ([\d.]+) s after start-up: (\d+) gra
 
 def run_once(args, mode: str, cache: Path, prompt_file: Path, out_jsonl: Path) -> dict:
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache / "jax"), EAGLE_JAX_CALIBRATION_DIR=str(cache / "calibration"))
-    cmd = [sys.executable, "-m", "eagle_jax.cli", "-v", "generate", "--prompt-file", str(prompt_file), "--output", str(out_jsonl),
+    cmd = [sys.executable, "-m", "eagle_jax.cli", "-vv", "generate", "--prompt-file", str(prompt_file), "--output", str(out_jsonl),
            "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens)]
     cmd.append("--background-compile" if mode == "background" else "--no-background-compile")
     t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def main() -> int:
                         "shows what a cut-off background calibration left to the next)")
     p.add_argument("--out", type=Path, default=REPO / "results" / "startup")
     p.add_argument("--log-dir", type=Path, default=None,
-                   help="also write each run's log (-v: every graph's trace/lower/compile seconds) there, as "
+                   help="also write each run's log (-vv: every graph's trace/lower/compile seconds) there, as "
                         "'<mode>-<cold|warm>.log' (logs name local paths: keep them out of results/)")
     args = p.parse_args()
     if args.runs < 1:

@@ -31,6 +31,23 @@ def test_missing_model_dir(tmp_path):
     assert "error: model directory" in r.stderr and "make model" in r.stderr
 
 
+def test_verbosity_counts_and_vv_turns_on_eagle_jax_debug_lines(tmp_path):
+    """-v logs at INFO, -vv adds eagle-jax's DEBUG lines (each graph's compile seconds);
+    without either the start-up lines still show (INFO for eagle_jax)."""
+    import logging
+
+    from eagle_jax import cli
+
+    assert [build_parser().parse_args([*v, "doctor"]).verbose for v in ([], ["-v"], ["-vv"])] == [0, 1, 2]
+    logger = logging.getLogger("eagle_jax")
+    try:
+        for flags, level in (([], logging.INFO), (["-vv"], logging.DEBUG), (["-v"], logging.INFO)):
+            assert cli.main([*flags, "generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+            assert logger.level == level, flags
+    finally:
+        logger.setLevel(logging.INFO)
+
+
 def test_bad_prompt_file_line_is_named(tmp_path, smollm2_dir):
     f = tmp_path / "p.jsonl"
     f.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": \n')
