@@ -540,16 +540,19 @@ class AutoPolicy(SpeculationPolicy):
         to probe it. Where no shape passes in the smallest bucket its best one is kept,
         so speculation stays possible.
 
-        On the 2-core CPU with SmolLM2-135M a plain step of 16 rows costs 2.5x one of 1,
-        so buckets 8 and 16 keep few or no shapes; on a GPU a step is flat in rows up to
+        On the 2-core CPU with SmolLM2-135M a plain step of 16 rows costs 2.6x one of 1:
+        one cold start left out 7 of 25 steps (the trees at buckets 4-16, chain S=3 at
+        16), another none (docs/measuring.md: the bound is loose past the largest
+        bucket and leaves out the draft's steps). On a GPU a step is flat in rows up to
         hundreds and every shape is kept.
 
         ``time_plain(bucket, context)``: seconds of one plain step at ``context``
         committed positions (the calibration's ``context`` and an empty one), the least
         of ``rounds`` after a warm-up (noise only adds time, and the bound wants the
-        step's own cost: one cold run's median of 3 timed 4 rows below 1). ``record``: an earlier engine's calibration of the
-        same key (``serving.calibration``): when it covers every bucket, its shapes per
-        bucket are taken as they are (a warm start compiles what the cold one did)."""
+        step's own cost: one cold run's median of 3 timed 4 rows below 1). ``record``:
+        an earlier engine's calibration of the same key (``serving.calibration``): when
+        it covers every bucket, its shapes per bucket are taken as they are (a warm start
+        compiles what the cold one did)."""
         if not self.prune_buckets:
             return None
         kept = self._record_shapes(record, buckets) if isinstance(record, dict) and not record.get("partial") else None
