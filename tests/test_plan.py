@@ -39,9 +39,11 @@ def test_cpu_plan_names_the_packed_kernels_and_xla_paths():
     assert (p.backend, p.kernel_impl, p.verify_kernel, p.tree_attention) == ("cpu", "auto", "reference", None)
     assert (p.matmul, p.prefix_attention, p.mesh, p.devices, p.cache_align) == ("packed", "cpu", None, 1, 1)
     assert p.matmul_note == cpu_matmul.status("cpu")[1]
-    assert p.describe() == f"kernels auto; matrix products: {p.matmul_note}, 0 matrices packed"
+    assert p.layers == "stacked"
+    stacked = "; target layers stacked (one loop body over stacked parameters and caches)"
+    assert p.describe() == f"kernels auto; matrix products: {p.matmul_note}, 0 matrices packed{stacked}"
     assert p.describe("tree block in XLA") == (
-        f"kernels auto; verify attention tree block in XLA; matrix products: {p.matmul_note}, 0 matrices packed")
+        f"kernels auto; verify attention tree block in XLA; matrix products: {p.matmul_note}, 0 matrices packed{stacked}")
     assert dataclasses.replace(p, packed=30).matmul_path.endswith(", 30 matrices packed")
 
 
@@ -49,7 +51,8 @@ def test_cpu_plan_follows_the_environment(monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CPU_MATMUL", "xla")
     p = resolve_plan(backend="cpu")
     assert (p.matmul, p.prefix_attention) == ("xla", "xla")
-    assert p.describe() == "kernels auto; matrix products: XLA dot (EAGLE_JAX_CPU_MATMUL=xla)"
+    assert p.describe() == ("kernels auto; matrix products: XLA dot (EAGLE_JAX_CPU_MATMUL=xla); target layers stacked "
+                            "(one loop body over stacked parameters and caches)")
     monkeypatch.setenv("EAGLE_JAX_CPU_MATMUL", "auto")
     monkeypatch.setenv("EAGLE_JAX_CPU_ATTENTION", "xla")
     p = resolve_plan(backend="cpu")
@@ -57,11 +60,25 @@ def test_cpu_plan_follows_the_environment(monkeypatch):
     assert p.matmul == ("packed" if _kernel_available() else "xla")
 
 
+def test_layers_stack_on_a_cpu_and_follow_the_environment(monkeypatch):
+    assert resolve_plan(backend="cpu").layers == "stacked"
+    assert resolve_plan(backend="gpu", compute_capability="9.0").layers == "unrolled"
+    monkeypatch.setenv("EAGLE_JAX_LAYERS", "unrolled")
+    assert resolve_plan(backend="cpu").layers == "unrolled"
+    monkeypatch.setenv("EAGLE_JAX_LAYERS", "stacked")
+    assert resolve_plan(backend="gpu", compute_capability="9.0").layers == "stacked"
+    monkeypatch.setenv("EAGLE_JAX_LAYERS", "scan")
+    with pytest.raises(ConfigError, match="EAGLE_JAX_LAYERS='scan' must be one of auto, unrolled, stacked"):
+        resolve_plan(backend="cpu")
+    with pytest.raises(ValueError, match="layers"):
+        ExecutionPlan(layers="scanned")
+
+
 def test_gpu_rules_without_a_gpu():
     p = resolve_plan(backend="gpu", compute_capability="9.0")
     assert (p.verify_kernel, p.tree_attention, p.matmul, p.prefix_attention) == ("kernel", "auto", "xla", "xla")
     assert p.matmul_note == "XLA dot (gpu)" and p.cache_align == 64 and p.compute_capability == "9.0"
-    assert p.describe() == "kernels auto; matrix products: XLA dot (gpu)"
+    assert p.describe() == "kernels auto; matrix products: XLA dot (gpu); target layers unrolled"
     ref = resolve_plan(backend="gpu", kernel_impl="reference")
     assert (ref.verify_kernel, ref.tree_attention) == ("reference", None)
     forced = resolve_plan(backend="gpu", kernel_impl="kernel")
@@ -86,7 +103,7 @@ def test_a_mesh_of_several_devices_turns_the_cpu_kernels_off_and_shards_the_pall
 def test_defaults_and_checks():
     assert XLA_PLAN == ExecutionPlan()
     assert (XLA_PLAN.matmul, XLA_PLAN.prefix_attention, XLA_PLAN.tree_attention, XLA_PLAN.mesh) == ("xla", "xla", None, None)
-    assert XLA_PLAN.describe() == "kernels auto; matrix products: XLA dot"
+    assert XLA_PLAN.describe() == "kernels auto; matrix products: XLA dot; target layers unrolled"
     assert xla_plan("gpu") == ExecutionPlan(backend="gpu")
     assert check_kernel_impl("kernel") == "kernel"
     for bad in ("fast", True, None):

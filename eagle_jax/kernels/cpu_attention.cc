@@ -93,6 +93,11 @@ inline af vexp(af x) {
 
 struct Dims {
   int64_t B, T, KV, G, D, S;
+  // A cache of every layer, [B, S, L, KV, D] (a target bound with its layers stacked):
+  // this call reads layer ``layer``; L = 1, layer = 0 for one layer's [B, S, KV, D].
+  int64_t L = 1, layer = 0;
+  int64_t slot_stride() const { return L * KV * D; }
+  int64_t offset(int64_t b, int64_t h) const { return ((b * S * L + layer) * KV + h) * D; }
 };
 
 // The decode path's online-softmax update of one query over a chunk of n scores
@@ -139,9 +144,9 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
   std::fill(acc, acc + nq * D, 0.f);
   std::fill(m, m + nq, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nq, 0.f);
-  const int64_t row_stride = d.KV * D;  // between slots
-  const float* kb = kc + (b * d.S * d.KV + h) * D;
-  const float* vb = vc + (b * d.S * d.KV + h) * D;
+  const int64_t row_stride = d.slot_stride();  // between slots
+  const float* kb = kc + d.offset(b, h);
+  const float* vb = vc + d.offset(b, h);
   for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, len - j0);
     for (int64_t j = 0; j < n; ++j) {
@@ -247,9 +252,9 @@ void tile_unit(const Dims& d, const float* q, const float* kc, const float* vc, 
   std::fill(accT, accT + D * kMaxQ, 0.f);
   std::fill(m, m + kMaxQ, -std::numeric_limits<float>::infinity());
   std::fill(l, l + kMaxQ, 0.f);
-  const int64_t row_stride = d.KV * D;
-  const float* kb = kc + (b * d.S * d.KV + h) * D;
-  const float* vb = vc + (b * d.S * d.KV + h) * D;
+  const int64_t row_stride = d.slot_stride();  // between slots
+  const float* kb = kc + d.offset(b, h);
+  const float* vb = vc + d.offset(b, h);
   for (int64_t j0 = 0; j0 < len; j0 += kTileSlots) {
     const int64_t n = std::min<int64_t>(kTileSlots, len - j0);
     int64_t j = 0;
@@ -320,16 +325,25 @@ struct AttnJob {
   }
 };
 
+// ``layer``: null for k/v [B, S, KV, D]; else a scalar, and k/v are [B, S, L, KV, D].
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                     ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                     ffi::ResultBuffer<ffi::F32> acc, bool causal) {
+                     ffi::Buffer<ffi::S32> lens, const ffi::Buffer<ffi::S32>* layer, ffi::ResultBuffer<ffi::F32> m,
+                     ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc, bool causal) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lens.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || ld.size() != 1)
-    return ffi::Error::InvalidArgument("eagle_prefix_attention: expects q [B,T,KV,G,D], k/v [B,S,KV,D], lens [B]");
+  const size_t kr = layer ? 5 : 4;
+  if (qd.size() != 5 || kd.size() != kr || vd.size() != kr || ld.size() != 1)
+    return ffi::Error::InvalidArgument(
+        "eagle_prefix_attention: expects q [B,T,KV,G,D], k/v [B,S,KV,D] (or [B,S,L,KV,D] with a layer), lens [B]");
   Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
-  for (int i = 0; i < 4; ++i)
+  for (size_t i = 0; i < kr; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("eagle_prefix_attention: k and v shapes differ");
-  if (kd[0] != d.B || kd[2] != d.KV || kd[3] != d.D || ld[0] != d.B)
+  if (layer) {
+    if (layer->element_count() != 1) return ffi::Error::InvalidArgument("eagle_prefix_attention: layer must be a scalar");
+    d.L = kd[2];
+    d.layer = layer->typed_data()[0];
+    if (d.layer < 0 || d.layer >= d.L) return ffi::Error::InvalidArgument("eagle_prefix_attention: layer out of range");
+  }
+  if (kd[0] != d.B || kd[kr - 2] != d.KV || kd[kr - 1] != d.D || ld[0] != d.B)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: q, k/v and lens disagree on B, KV or D");
   if (d.D > kMaxD || d.D % AW)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: needs D <= 256 and D a multiple of the vector width");
@@ -365,7 +379,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
 ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
                            ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
-  return Attention(pool, q, k, v, lens, m, l, acc, false);
+  return Attention(pool, q, k, v, lens, nullptr, m, l, acc, false);
 }
 
 // A prefill chunk's whole attention: lens[b] is the chunk's start, its T keys already in
@@ -373,7 +387,22 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
                             ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
-  return Attention(pool, q, k, v, lens, m, l, acc, true);
+  return Attention(pool, q, k, v, lens, nullptr, m, l, acc, true);
+}
+
+// The same two over one layer of a stacked cache k/v [B, S, L, KV, D] (``layer`` [], int32).
+ffi::Error PrefixAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> layer,
+                                ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                                ffi::ResultBuffer<ffi::F32> acc) {
+  return Attention(pool, q, k, v, lens, &layer, m, l, acc, false);
+}
+
+ffi::Error PrefillAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> layer,
+                                 ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                                 ffi::ResultBuffer<ffi::F32> acc) {
+  return Attention(pool, q, k, v, lens, &layer, m, l, acc, true);
 }
 
 }  // namespace
@@ -391,3 +420,18 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention, PrefixAttention, EAGLE_ATTENTION_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention, PrefillAttention, EAGLE_ATTENTION_BINDING);
+
+#define EAGLE_ATTENTION_LAYER_BINDING              \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention_layer, PrefixAttentionLayer, EAGLE_ATTENTION_LAYER_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention_layer, PrefillAttentionLayer, EAGLE_ATTENTION_LAYER_BINDING);

@@ -178,13 +178,25 @@ struct Job {
   }
 };
 
+// ``layer``: null for w [P, K, NB]; else a scalar, and w is every layer's panels
+// [L, P, K, NB] (a target bound with its layers stacked), of which layer ``layer`` runs.
 template <class W, class WBuf>
-static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuf w, ffi::ResultBuffer<ffi::F32> y) {
+static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuf w, const ffi::Buffer<ffi::S32>* layer,
+                      ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != NB || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("eagle_packed_matmul: expects x [M, K] and w [P, K, NB] with the library's NB");
-  const int64_t M = xd[0], K = xd[1], P = wd[0], N = P * NB;
+  const size_t o = layer ? 1 : 0;  // the layer axis
+  if (xd.size() != 2 || wd.size() != 3 + o || wd[2 + o] != NB || wd[1 + o] != xd[1])
+    return ffi::Error::InvalidArgument(
+        "eagle_packed_matmul: expects x [M, K] and w [P, K, NB] (or [L, P, K, NB] with a layer) with the library's NB");
+  const int64_t M = xd[0], K = xd[1], P = wd[o], N = P * NB;
+  int64_t first = 0;  // the layer's first panel element
+  if (layer) {
+    if (layer->element_count() != 1) return ffi::Error::InvalidArgument("eagle_packed_matmul: layer must be a scalar");
+    const int64_t i = layer->typed_data()[0];
+    if (i < 0 || i >= wd[0]) return ffi::Error::InvalidArgument("eagle_packed_matmul: layer out of range");
+    first = i * P * K * NB;
+  }
   const auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != M || yd[1] != N)
     return ffi::Error::InvalidArgument("eagle_packed_matmul: output must be [M, P * NB]");
@@ -194,7 +206,7 @@ static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuf w, ffi
   const int64_t chunks = std::min<int64_t>(P, threads == 1 ? 1 : 4 * threads);
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
-  job->w = reinterpret_cast<const typename W::T*>(w.untyped_data());
+  job->w = reinterpret_cast<const typename W::T*>(w.untyped_data()) + first;
   job->y = y->typed_data();
   job->M = M; job->K = K; job->N = N; job->P = P; job->chunks = chunks;
   for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([job] { job->work(); });
@@ -209,12 +221,22 @@ static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuf w, ffi
 
 static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                                ffi::ResultBuffer<ffi::F32> y) {
-  return Run<F32W>(pool, x, w, y);
+  return Run<F32W>(pool, x, w, nullptr, y);
 }
 
 static ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                                    ffi::ResultBuffer<ffi::F32> y) {
-  return Run<BF16W>(pool, x, w, y);
+  return Run<BF16W>(pool, x, w, nullptr, y);
+}
+
+static ffi::Error PackedMatmulLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Run<F32W>(pool, x, w, &layer, y);
+}
+
+static ffi::Error PackedMatmulLayerBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Run<BF16W>(pool, x, w, &layer, y);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul, PackedMatmul,
@@ -229,6 +251,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul_bf16, PackedMatmulBF16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul_layer, PackedMatmulLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_packed_matmul_layer_bf16, PackedMatmulLayerBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // The panel width this build packs for (the Python side packs to match).

@@ -27,6 +27,7 @@ defined for the custom call).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -53,6 +54,10 @@ TARGET = "eagle_packed_matmul"
 TARGET_BF16 = "eagle_packed_matmul_bf16"  # bfloat16 panels, float32 arithmetic
 ATTENTION_TARGET = "eagle_prefix_attention"
 PREFILL_ATTENTION_TARGET = "eagle_prefill_attention"  # a prefill chunk's whole (causal) attention
+# The same over one layer of stacked arrays (a target bound with its layers stacked):
+# panels [L, P, K, nb], caches [B, S, L, KV, D], and the layer as an int32 scalar operand.
+LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, ATTENTION_TARGET, PREFILL_ATTENTION_TARGET)}
+LAYER_TARGETS[TARGET_BF16] = "eagle_packed_matmul_layer_bf16"
 FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 MODES = ("auto", "packed", "xla")
 
@@ -141,6 +146,8 @@ def _load() -> tuple[int | None, str, Path | None]:
     jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.eagle_packed_matmul_bf16), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefix_attention), platform="cpu")
     jax.ffi.register_ffi_target(PREFILL_ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle_prefill_attention), platform="cpu")
+    for name in LAYER_TARGETS.values():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.eagle_packed_matmul_isa.restype = ctypes.c_char_p
     isa = lib.eagle_packed_matmul_isa().decode()
     return nb, f"packed-weight CPU kernel ({isa}, {nb}-column panels)", lib_path
@@ -180,18 +187,19 @@ def panel_width() -> int:
 
 
 def pack(w: np.ndarray | jax.Array, nb: int | None = None) -> jax.Array:
-    """``[K, N]`` (``y = x @ w``) to panels ``[N / nb, K, nb]``; N must divide by nb."""
+    """``[..., K, N]`` (``y = x @ w``) to panels ``[..., N / nb, K, nb]``; N must divide
+    by nb. Leading axes (the layers of a stacked kernel) stay in front."""
     nb = nb or panel_width()
-    k, n = w.shape
+    *lead, k, n = w.shape
     if n % nb:
         raise ConfigError(f"cannot pack a [{k}, {n}] matrix into {nb}-column panels")
-    return jnp.asarray(w).reshape(k, n // nb, nb).transpose(1, 0, 2)
+    return jnp.swapaxes(jnp.asarray(w).reshape(*lead, k, n // nb, nb), -3, -2)
 
 
 def unpack(wp: jax.Array) -> jax.Array:
-    """Panels ``[P, K, nb]`` back to ``[K, P * nb]``."""
-    p, k, nb = wp.shape
-    return wp.transpose(1, 0, 2).reshape(k, p * nb)
+    """Panels ``[..., P, K, nb]`` back to ``[..., K, P * nb]``."""
+    *lead, p, k, nb = wp.shape
+    return jnp.swapaxes(wp, -3, -2).reshape(*lead, k, p * nb)
 
 
 def packable(w) -> bool:
@@ -201,15 +209,58 @@ def packable(w) -> bool:
     return getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32 and w.shape[1] % nb == 0 and w.shape[1] >= nb
 
 
-def packed_matmul(x: jax.Array, wp: jax.Array) -> jax.Array:
+def packed_matmul(x: jax.Array, wp: "jax.Array | LayerOf") -> jax.Array:
     """``x [..., K] @ unpack(wp)`` -> ``[..., N]``, float32, through the FFI kernel
-    (float32 or bfloat16 panels; the arithmetic is float32 either way)."""
-    p, k, nb = wp.shape
+    (float32 or bfloat16 panels; the arithmetic is float32 either way). ``wp`` may be one
+    layer of stacked panels (``LayerOf``): the kernel reads that layer in place, where
+    slicing it out would copy the layer's weights on every step."""
+    layer = None
+    if isinstance(wp, LayerOf):
+        wp, layer = wp.stack, wp.index
+    p, k, nb = wp.shape[-3:]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     target = TARGET_BF16 if wp.dtype == jnp.bfloat16 else TARGET
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], p * nb), jnp.float32))(x2, wp)
+    out = jax.ShapeDtypeStruct((x2.shape[0], p * nb), jnp.float32)
+    if layer is None:
+        y = jax.ffi.ffi_call(target, out)(x2, wp)
+    else:
+        y = jax.ffi.ffi_call(LAYER_TARGETS[target], out)(x2, wp, jnp.asarray(layer, jnp.int32))
     return y.reshape(*lead, p * nb)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerOf:
+    """Layer ``index`` (an int32 scalar, traced inside the layer loop) of an array that
+    stacks every layer along ``axis``: packed panels ``[L, P, K, nb]`` (axis 0) or a
+    KV cache ``[B, S, L, KV, D]`` (axis 2). The CPU kernels read the layer in place;
+    ``get()`` slices it out (a copy, for XLA's own paths)."""
+
+    stack: jax.Array
+    index: jax.Array
+    axis: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    def get(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, axis=self.axis, keepdims=False)
+
+    def __getitem__(self, key):
+        # ``variable[...]`` on an NNX parameter bound to a ``LayerOf`` gives the LayerOf.
+        if key is not Ellipsis:
+            raise TypeError("a LayerOf is indexed only with [...]")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[:self.axis] + self.stack.shape[self.axis + 1:]
+
+    @property
+    def ndim(self) -> int:
+        return self.stack.ndim - 1
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
 
 
 # id(source array) -> its packed copy, dropped when the source is collected: every step
@@ -248,8 +299,13 @@ def pack_params(state, dtype: str = "float32") -> tuple[object, int]:
     return out, count
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` for a plain ``[K, N]`` kernel or a packed ``[P, K, nb]`` one."""
+def matmul(x: jax.Array, w: "jax.Array | LayerOf") -> jax.Array:
+    """``x @ w`` for a plain ``[K, N]`` kernel or a packed ``[P, K, nb]`` one, or one
+    layer of stacked kernels (``LayerOf``: packed ones read in place)."""
+    if isinstance(w, LayerOf):
+        if w.stack.ndim == 4:
+            return packed_matmul(x, w)
+        w = w.get()
     if w.ndim == 3:
         return packed_matmul(x, w)
     return x @ w
@@ -316,10 +372,17 @@ def prefix_attention_state(
     b, t, kv, g, d = qg.shape
     nq = t * g
     f32 = jnp.float32
+    target = PREFILL_ATTENTION_TARGET if causal else ATTENTION_TARGET
+    args = (qg.astype(f32), k_cache, v_cache, prefix_len.astype(jnp.int32))
+    if isinstance(k_cache, LayerOf):  # one layer of stacked caches [B, S, L, KV, D], read in place
+        if not isinstance(v_cache, LayerOf) or k_cache.axis != 2 or v_cache.axis != 2:
+            raise ValueError("prefix_attention_state: k and v must both be LayerOf caches stacked on axis 2")
+        target = LAYER_TARGETS[target]
+        args = (args[0], k_cache.stack, v_cache.stack, args[3], jnp.asarray(k_cache.index, jnp.int32))
     m, l, acc = jax.ffi.ffi_call(
-        PREFILL_ATTENTION_TARGET if causal else ATTENTION_TARGET,
+        target,
         (jax.ShapeDtypeStruct((b, kv, nq), f32), jax.ShapeDtypeStruct((b, kv, nq), f32),
          jax.ShapeDtypeStruct((b, kv, nq, d), f32)),
-    )(qg.astype(f32), k_cache, v_cache, prefix_len.astype(jnp.int32))
+    )(*args)
     # The kernel writes a head's queries g-major (g * T + t): the caller's layout.
     return m.reshape(b, kv, g, t), l.reshape(b, kv, g, t), acc.reshape(b, kv, g, t, d)

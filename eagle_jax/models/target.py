@@ -48,6 +48,7 @@ from eagle_jax.errors import ConfigError
 DEFAULT_AXIS_RULES: dict[str, str | None] = {
     "batch": "data",
     "cache_seq": None,
+    "layers": None,  # the layer axis of a target bound with its layers stacked (llama.LayerStack)
     "kv_heads": "model",
     "heads": "model",  # the flattened heads * head_dim of a projection: whole heads per shard
     "head_dim": None,

@@ -285,6 +285,12 @@ class StepTable:
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
         }
+        if self.plan.layers == "stacked":
+            # The target's stacked form (one layer body in a loop), where its family has one.
+            if callable(getattr(target, "stacked", None)):
+                target = self.target = target.stacked(self.plan.packed_dtype if self.plan.matmul == "packed" else None)
+            else:
+                self.plan = dataclasses.replace(self.plan, layers="unrolled")
         self._bound = BoundModules(target, draft, pack=self.plan.matmul == "packed", pack_dtype=self.plan.packed_dtype)
         self.plan = dataclasses.replace(self.plan, packed=self._bound.packed)
         # Sharding rules: the target's from its sizes (a ConfigError when the mesh does not
@@ -388,7 +394,10 @@ class StepTable:
         log): ``ExecutionPlan.verify_attention`` with the table's shapes and its real cache
         shape, by the same rule the forwards follow."""
         leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
-        return self.plan.verify_attention(self.target.config.num_attention_heads, leaf.shape, leaf.dtype,
+        shape = leaf.shape
+        if self.plan.layers == "stacked" and len(shape) == 5:  # [B, S, L, KV, D]: a layer's is [B, S, KV, D]
+            shape = shape[:2] + shape[3:]
+        return self.plan.verify_attention(self.target.config.num_attention_heads, shape, leaf.dtype,
                                           [(s.shape, s.num_draft_tokens) for s in self.shapes], self.plain)
 
     def describe(self) -> str:
