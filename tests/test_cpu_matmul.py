@@ -233,3 +233,34 @@ def test_march_env_is_checked(monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CPU_MARCH", "native; rm -rf /")
     with pytest.raises(ConfigError, match="EAGLE_JAX_CPU_MARCH"):
         cpu_matmul.march()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_layer_of_stacked_panels_gives_that_layers_bits(dtype):
+    """``packed_matmul(x, LayerOf(stack, i))`` reads layer i of ``[L, P, K, nb]`` panels in
+    place (the stacked target's loop body): the same bits as the layer's own panels,
+    for every layer, with the index traced."""
+    nb = cpu_matmul.panel_width()
+    rng = np.random.default_rng(3)
+    ws = rng.standard_normal((4, 96, 3 * nb)).astype(np.float32)
+    stack = cpu_matmul.pack(jnp.asarray(ws).astype(dtype))
+    assert stack.shape == (4, 3, 96, nb)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(stack)), np.asarray(jnp.asarray(ws).astype(dtype)))
+    x = jnp.asarray(rng.standard_normal((5, 96)).astype(np.float32))
+    f = jax.jit(lambda x, s, i: cpu_matmul.packed_matmul(x, cpu_matmul.LayerOf(s, i)))
+    for i in range(4):
+        want = cpu_matmul.packed_matmul(x, cpu_matmul.pack(jnp.asarray(ws[i]).astype(dtype)))
+        np.testing.assert_array_equal(np.asarray(f(x, stack, jnp.int32(i))), np.asarray(want))
+    # matmul() takes a LayerOf of packed panels to the kernel and slices an unpacked stack.
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x, cpu_matmul.LayerOf(stack, jnp.int32(2)))),
+                                  np.asarray(f(x, stack, jnp.int32(2))))
+    plain = jnp.asarray(ws)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x, cpu_matmul.LayerOf(plain, jnp.int32(1)))),
+                                  np.asarray(x @ plain[1]))
+
+
+def test_a_layer_out_of_range_is_an_error_not_a_read_past_the_stack():
+    nb = cpu_matmul.panel_width()
+    stack = cpu_matmul.pack(jnp.zeros((2, 8, nb)))
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(cpu_matmul.packed_matmul(jnp.ones((1, 8)), cpu_matmul.LayerOf(stack, jnp.int32(2))))

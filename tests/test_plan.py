@@ -63,6 +63,8 @@ def test_cpu_plan_follows_the_environment(monkeypatch):
 def test_layers_stack_on_a_cpu_and_follow_the_environment(monkeypatch):
     assert resolve_plan(backend="cpu").layers == "stacked"
     assert resolve_plan(backend="gpu", compute_capability="9.0").layers == "unrolled"
+    mesh = AbstractMesh((1, 2, 4), ("data", "expert", "model"))
+    assert resolve_plan(backend="cpu", mesh=mesh).layers == "unrolled"  # the GPU's tensor-parallel graphs
     monkeypatch.setenv("EAGLE_JAX_LAYERS", "unrolled")
     assert resolve_plan(backend="cpu").layers == "unrolled"
     monkeypatch.setenv("EAGLE_JAX_LAYERS", "stacked")

@@ -80,21 +80,23 @@ def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend
         matmul_note=note,
         compute_capability=compute_capability,
         packed_dtype="bfloat16" if packed and dtype == "bfloat16" else "float32",
-        layers=layers_for(backend),
+        layers=layers_for(backend, devices),
     )
 
 
-def layers_for(backend: str) -> str:
-    """How a step table binds the target's layers on ``backend`` (``ExecutionPlan.layers``):
-    "stacked" on a CPU, where the loop compiled SmolLM2's steps in a quarter to a half of
-    the time and ran them as fast or faster (the CPU kernels read each layer in place);
-    "unrolled" elsewhere until a GPU has measured the loop. ``EAGLE_JAX_LAYERS`` overrides."""
+def layers_for(backend: str, devices: int = 1) -> str:
+    """How a step table binds the target's layers on ``backend`` over ``devices``
+    (``ExecutionPlan.layers``): "stacked" on one CPU device, where the loop compiled
+    SmolLM2's steps in a quarter to a half of the time and ran them as fast or faster (the
+    CPU kernels read each layer in place); "unrolled" elsewhere: on GPUs until a loan has
+    measured the loop, and on a mesh of several devices, which stands in on CPUs for the
+    GPU's tensor-parallel graphs. ``EAGLE_JAX_LAYERS`` overrides."""
     v = os.environ.get(LAYERS_ENV, "auto")
     if v not in ("auto",) + LAYERS:
         raise ConfigError(f"{LAYERS_ENV}={v!r} must be one of auto, {', '.join(LAYERS)}")
     if v != "auto":
         return v
-    return "stacked" if backend == "cpu" else "unrolled"
+    return "stacked" if backend == "cpu" and devices == 1 else "unrolled"
 
 
 def model_dtype(plan: ExecutionPlan, dtype: str | None) -> str | None:
