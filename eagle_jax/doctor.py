@@ -32,7 +32,8 @@ from eagle_jax.errors import EagleJaxError
 
 PROJECT_PACKAGES = ("eagle_jax", "pallas_kernels")
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "EAGLE_JAX_MODEL",
-            "EAGLE_JAX_EXECUTABLE_CACHE", "EAGLE_JAX_COMPILE_WORKERS", "EAGLE_JAX_CPU_MATMUL")
+            "EAGLE_JAX_EXECUTABLE_CACHE", "EAGLE_JAX_COMPILE_WORKERS", "EAGLE_JAX_CPU_MATMUL", "EAGLE_JAX_CPU_ATTENTION",
+            "EAGLE_JAX_LAYERS")
 # Any other variable with these prefixes can change what JAX or eagle-jax does, so show it too.
 ENV_PREFIXES = ("JAX_", "XLA_", "EAGLE_JAX_")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

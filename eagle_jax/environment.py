@@ -199,6 +199,12 @@ def boot_id() -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 
+# The environment variables that change what runs (never the ones naming paths).
+FINGERPRINT_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "EAGLE_JAX_LAYERS", "EAGLE_JAX_CPU_MATMUL",
+                   "EAGLE_JAX_CPU_ATTENTION", "EAGLE_JAX_CPU_MARCH", "EAGLE_JAX_COMPILE_WORKERS",
+                   "EAGLE_JAX_EXECUTABLE_CACHE")
+
+
 def fingerprint(dtype: str) -> dict[str, Any]:
     """What the figures depend on: versions, source commit, devices, CPU, dtype, seeds."""
     import jax
@@ -219,7 +225,7 @@ def fingerprint(dtype: str) -> dict[str, Any]:
         "boot_id": boot_id(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "env": {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+        "env": {k: os.environ[k] for k in FINGERPRINT_ENV if k in os.environ},
         "dtype": dtype,
         "seeds": {"sampling": 0, "note": "greedy decoding (temperature 0) draws no random numbers"},
     }

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle_jax.environment import fingerprint
+from eagle_jax.environment import FINGERPRINT_ENV, fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 READY = re.compile(r"(\d+) graphs compiled in ([\d.]+) s(?: on (\d+) threads)?: trace ([\d.]+) s, lower ([\d.]+) s, "
@@ -116,7 +116,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("\n".join(records) + "\n")
-    results = {"command": shlex.join(["python", "scripts/bench_startup.py", *sys.argv[1:]]),
+    # The variables that change what runs (EAGLE_JAX_LAYERS=unrolled for an A/B), as the command's prefix.
+    env = [f"{k}={os.environ[k]}" for k in FINGERPRINT_ENV if k in os.environ]
+    results = {"command": shlex.join([*env, "python", "scripts/bench_startup.py", *sys.argv[1:]]),
                "environment": fingerprint("float32"), "batch_size": args.batch_size, "prompts": len(records),
                "max_new_tokens": args.max_new_tokens, "runs": {}}
     reference = None

@@ -237,21 +237,21 @@ def test_inference_binding_runs_the_kernel_and_only_it(monkeypatch, env):
 
 @pytest.mark.parametrize("causal,t", [(False, 1), (False, 4), (True, 64)])
 def test_a_layer_of_a_stacked_cache_gives_that_layers_bits(causal, t):
-    """The kernel reads layer i of a stacked cache ``[B, S, L, KV, D]`` in place
-    (``LayerOf(cache, i, axis=2)``, the stacked target's loop body): the same bits as
+    """The kernel reads layer i of a stacked cache ``[B, L, S, KV, D]`` in place
+    (``LayerOf(cache, i, axis=1)``, the stacked target's loop body): the same bits as
     over the layer's own ``[B, S, KV, D]`` cache, on the decode and the prefill path."""
     rng = np.random.default_rng(t)
     b, s, n_layers, kv, g, d = 2, 150, 3, 2, 3, 64
-    k = jnp.asarray(rng.standard_normal((b, s, n_layers, kv, d), dtype=np.float32))
-    v = jnp.asarray(rng.standard_normal((b, s, n_layers, kv, d), dtype=np.float32))
+    k = jnp.asarray(rng.standard_normal((b, n_layers, s, kv, d), dtype=np.float32))
+    v = jnp.asarray(rng.standard_normal((b, n_layers, s, kv, d), dtype=np.float32))
     q = jnp.asarray(rng.standard_normal((b, t, kv, g, d), dtype=np.float32))
     lens = jnp.asarray([17, s - t], jnp.int32)
     f = jax.jit(lambda q, k, v, i: cpu_matmul.prefix_attention_state(
-        q, cpu_matmul.LayerOf(k, i, 2), cpu_matmul.LayerOf(v, i, 2), lens, causal=causal))
+        q, cpu_matmul.LayerOf(k, i, 1), cpu_matmul.LayerOf(v, i, 1), lens, causal=causal))
     for i in range(n_layers):
-        want = cpu_matmul.prefix_attention_state(q, k[:, :, i], v[:, :, i], lens, causal=causal)
+        want = cpu_matmul.prefix_attention_state(q, k[:, i], v[:, i], lens, causal=causal)
         got = f(q, k, v, jnp.int32(i))
         for a, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
     with pytest.raises(ValueError, match="both be LayerOf"):
-        cpu_matmul.prefix_attention_state(q, cpu_matmul.LayerOf(k, jnp.int32(0), 2), v[:, :, 0], lens)
+        cpu_matmul.prefix_attention_state(q, cpu_matmul.LayerOf(k, jnp.int32(0), 1), v[:, 0], lens)

@@ -93,11 +93,12 @@ inline af vexp(af x) {
 
 struct Dims {
   int64_t B, T, KV, G, D, S;
-  // A cache of every layer, [B, S, L, KV, D] (a target bound with its layers stacked):
-  // this call reads layer ``layer``; L = 1, layer = 0 for one layer's [B, S, KV, D].
+  // A cache of every layer, [B, L, S, KV, D] (a target bound with its layers stacked):
+  // this call reads layer ``layer``, whose slots are contiguous per row as in one layer's
+  // [B, S, KV, D] (L = 1, layer = 0).
   int64_t L = 1, layer = 0;
-  int64_t slot_stride() const { return L * KV * D; }
-  int64_t offset(int64_t b, int64_t h) const { return ((b * S * L + layer) * KV + h) * D; }
+  int64_t slot_stride() const { return KV * D; }
+  int64_t offset(int64_t b, int64_t h) const { return (((b * L + layer) * S) * KV + h) * D; }
 };
 
 // The decode path's online-softmax update of one query over a chunk of n scores
@@ -325,7 +326,7 @@ struct AttnJob {
   }
 };
 
-// ``layer``: null for k/v [B, S, KV, D]; else a scalar, and k/v are [B, S, L, KV, D].
+// ``layer``: null for k/v [B, S, KV, D]; else a scalar, and k/v are [B, L, S, KV, D].
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                      ffi::Buffer<ffi::S32> lens, const ffi::Buffer<ffi::S32>* layer, ffi::ResultBuffer<ffi::F32> m,
                      ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc, bool causal) {
@@ -333,13 +334,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const size_t kr = layer ? 5 : 4;
   if (qd.size() != 5 || kd.size() != kr || vd.size() != kr || ld.size() != 1)
     return ffi::Error::InvalidArgument(
-        "eagle_prefix_attention: expects q [B,T,KV,G,D], k/v [B,S,KV,D] (or [B,S,L,KV,D] with a layer), lens [B]");
-  Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
+        "eagle_prefix_attention: expects q [B,T,KV,G,D], k/v [B,S,KV,D] (or [B,L,S,KV,D] with a layer), lens [B]");
+  Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[layer ? 2 : 1]};
   for (size_t i = 0; i < kr; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("eagle_prefix_attention: k and v shapes differ");
   if (layer) {
     if (layer->element_count() != 1) return ffi::Error::InvalidArgument("eagle_prefix_attention: layer must be a scalar");
-    d.L = kd[2];
+    d.L = kd[1];
     d.layer = layer->typed_data()[0];
     if (d.layer < 0 || d.layer >= d.L) return ffi::Error::InvalidArgument("eagle_prefix_attention: layer out of range");
   }
@@ -390,7 +391,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return Attention(pool, q, k, v, lens, nullptr, m, l, acc, true);
 }
 
-// The same two over one layer of a stacked cache k/v [B, S, L, KV, D] (``layer`` [], int32).
+// The same two over one layer of a stacked cache k/v [B, L, S, KV, D] (``layer`` [], int32).
 ffi::Error PrefixAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> layer,
                                 ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,

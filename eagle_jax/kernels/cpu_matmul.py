@@ -55,7 +55,7 @@ TARGET_BF16 = "eagle_packed_matmul_bf16"  # bfloat16 panels, float32 arithmetic
 ATTENTION_TARGET = "eagle_prefix_attention"
 PREFILL_ATTENTION_TARGET = "eagle_prefill_attention"  # a prefill chunk's whole (causal) attention
 # The same over one layer of stacked arrays (a target bound with its layers stacked):
-# panels [L, P, K, nb], caches [B, S, L, KV, D], and the layer as an int32 scalar operand.
+# panels [L, P, K, nb], caches [B, L, S, KV, D], and the layer as an int32 scalar operand.
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, ATTENTION_TARGET, PREFILL_ATTENTION_TARGET)}
 LAYER_TARGETS[TARGET_BF16] = "eagle_packed_matmul_layer_bf16"
 FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -234,7 +234,7 @@ def packed_matmul(x: jax.Array, wp: "jax.Array | LayerOf") -> jax.Array:
 class LayerOf:
     """Layer ``index`` (an int32 scalar, traced inside the layer loop) of an array that
     stacks every layer along ``axis``: packed panels ``[L, P, K, nb]`` (axis 0) or a
-    KV cache ``[B, S, L, KV, D]`` (axis 2). The CPU kernels read the layer in place;
+    KV cache ``[B, L, S, KV, D]`` (axis 1). The CPU kernels read the layer in place;
     ``get()`` slices it out (a copy, for XLA's own paths)."""
 
     stack: jax.Array
@@ -374,9 +374,9 @@ def prefix_attention_state(
     f32 = jnp.float32
     target = PREFILL_ATTENTION_TARGET if causal else ATTENTION_TARGET
     args = (qg.astype(f32), k_cache, v_cache, prefix_len.astype(jnp.int32))
-    if isinstance(k_cache, LayerOf):  # one layer of stacked caches [B, S, L, KV, D], read in place
-        if not isinstance(v_cache, LayerOf) or k_cache.axis != 2 or v_cache.axis != 2:
-            raise ValueError("prefix_attention_state: k and v must both be LayerOf caches stacked on axis 2")
+    if isinstance(k_cache, LayerOf):  # one layer of stacked caches [B, L, S, KV, D], read in place
+        if not isinstance(v_cache, LayerOf) or k_cache.axis != 1 or v_cache.axis != 1:
+            raise ValueError("prefix_attention_state: k and v must both be LayerOf caches stacked on axis 1")
         target = LAYER_TARGETS[target]
         args = (args[0], k_cache.stack, v_cache.stack, args[3], jnp.asarray(k_cache.index, jnp.int32))
     m, l, acc = jax.ffi.ffi_call(

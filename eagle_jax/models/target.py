@@ -92,9 +92,15 @@ def init_from_spec(spec_tree):
     return jax.tree.map(lambda s: s.zeros() if is_spec(s) else s, spec_tree, is_leaf=is_spec)
 
 
+def slot_axis(cache) -> int:
+    """The slot axis of a cache's leaves: 1 (the cache contract), or the cache class's
+    ``SLOT_AXIS`` (a stacked cache ``[B, L, S, ...]``: 2)."""
+    return getattr(cache, "SLOT_AXIS", 1)
+
+
 def cache_len(cache) -> int:
-    """Slots in a target or draft cache (axis 1 of its leaves; the cache contract)."""
-    return jax.tree.leaves(cache)[0].shape[1]
+    """Slots in a target or draft cache (``slot_axis`` of its leaves)."""
+    return jax.tree.leaves(cache)[0].shape[slot_axis(cache)]
 
 
 def default_mesh() -> Mesh:

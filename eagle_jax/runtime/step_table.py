@@ -387,7 +387,8 @@ class StepTable:
 
     @property
     def target_cache_len(self) -> int:
-        return jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0].shape[1]
+        leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
+        return leaf.shape[leaf.axes.index("cache_seq")]
 
     def verify_attention_path(self) -> str:
         """How verify forwards attend in this table's graphs, and why (for the start-up
@@ -395,8 +396,8 @@ class StepTable:
         shape, by the same rule the forwards follow."""
         leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
         shape = leaf.shape
-        if self.plan.layers == "stacked" and len(shape) == 5:  # [B, S, L, KV, D]: a layer's is [B, S, KV, D]
-            shape = shape[:2] + shape[3:]
+        if "layers" in leaf.axes:  # [B, L, S, KV, D]: a layer's is [B, S, KV, D]
+            shape = tuple(n for n, a in zip(shape, leaf.axes) if a != "layers")
         return self.plan.verify_attention(self.target.config.num_attention_heads, shape, leaf.dtype,
                                           [(s.shape, s.num_draft_tokens) for s in self.shapes], self.plain)
 

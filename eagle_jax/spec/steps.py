@@ -52,7 +52,7 @@ from eagle_jax.models.llama import KVCache, PrefixMask, TreeAttention, write_row
 from eagle_jax.kernels.plan import XLA_PLAN, ExecutionPlan
 from eagle_jax.kernels.sharded import shard_rows
 from eagle_jax.validate import is_int
-from eagle_jax.models.target import ArraySpec, TargetModel, cache_len
+from eagle_jax.models.target import ArraySpec, TargetModel, cache_len, slot_axis
 from eagle_jax.spec.sampling import (
     SamplingArrays,
     inverse_cdf_sample,
@@ -226,13 +226,16 @@ def prefix_causal_mask(seq_lens: Int[Array, "B"], width: int, max_len: int | Non
 
 def _move_accepted_kv(cache, seq_lens, accept_index, accept_length):
     """Tree commit: the entry at slot ``seq_len + accept_index[i]`` moves to ``seq_len + i``,
-    in every leaf of the target's cache (each ``[B, S, ...]``: the cache contract)."""
+    in every leaf of the target's cache (each ``[B, S, ...]``, the cache contract, or
+    ``[B, L, S, ...]`` for a stacked one: ``target.slot_axis``)."""
     b, w = accept_index.shape
     rows = jnp.arange(b)[:, None]
     i = jnp.arange(w)[None, :]
     src = seq_lens[:, None] + jnp.maximum(accept_index, 0)
     dst = jnp.where(i < accept_length[:, None], seq_lens[:, None] + i, cache_len(cache))  # past the end: dropped
     # accept_index[i] >= i, so reading every source before writing is safe.
+    if slot_axis(cache) == 2:  # [B, L, S, ...]: every layer's entry moves
+        return jax.tree.map(lambda c: c.at[rows, :, dst].set(c[rows, :, src], mode="drop"), cache)
     return jax.tree.map(lambda c: c.at[rows, dst].set(c[rows, src], mode="drop"), cache)
 
 

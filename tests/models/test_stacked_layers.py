@@ -57,7 +57,7 @@ def _run(model, pack: bool, tokens, prefix, mask, plan):
     if isinstance(cache, StackedKVCache):  # the same numbers as the unrolled run's
         base = [jnp.asarray(np.random.default_rng(9 + i).standard_normal((b, S, CFG.num_key_value_heads, CFG.head_dim),
                                                                           dtype=np.float32)) for i in range(2 * CFG.num_hidden_layers)]
-        cache = StackedKVCache(k=jnp.stack(base[0::2], axis=2), v=jnp.stack(base[1::2], axis=2))
+        cache = StackedKVCache(k=jnp.stack(base[0::2], axis=1), v=jnp.stack(base[1::2], axis=1))
     else:
         base = [jnp.asarray(np.random.default_rng(9 + i).standard_normal((b, S, CFG.num_key_value_heads, CFG.head_dim),
                                                                           dtype=np.float32)) for i in range(2 * CFG.num_hidden_layers)]
@@ -70,8 +70,8 @@ def _run(model, pack: bool, tokens, prefix, mask, plan):
         return m.logits(h), feats, c
 
     logits, feats, c = f(bound.params, cache)
-    k = c.k if isinstance(c, StackedKVCache) else jnp.stack(c.k, axis=2)
-    v = c.v if isinstance(c, StackedKVCache) else jnp.stack(c.v, axis=2)
+    k = c.k if isinstance(c, StackedKVCache) else jnp.stack(c.k, axis=1)
+    v = c.v if isinstance(c, StackedKVCache) else jnp.stack(c.v, axis=1)
     return [np.asarray(a) for a in (logits, feats, k, v)]
 
 
@@ -103,7 +103,7 @@ def test_the_stacked_copy_is_made_once_and_follows_the_parameters(target):
         assert a.layers.packed == 7 * CFG.num_hidden_layers
         assert a.layers.stacked.mlp.up_proj.kernel[...].ndim == 4
         assert BoundModules(a, pack=True).packed == 7 * CFG.num_hidden_layers + 1  # and the head
-    assert isinstance(a.cache_spec(2, 8), StackedKVCache) and a.cache_spec(2, 8).k.shape == (2, 8, 4, 2, 32)
+    assert isinstance(a.cache_spec(2, 8), StackedKVCache) and a.cache_spec(2, 8).k.shape == (2, 4, 8, 2, 32)
     # New layer arrays (a training step, a reload): a new stacked copy, with the new values.
     other = LlamaModel(CFG, rngs=nnx.Rngs(4))
     copy = LlamaModel(CFG, rngs=nnx.Rngs(3))
