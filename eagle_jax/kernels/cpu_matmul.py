@@ -19,9 +19,10 @@ available and, if not, why (no compiler, a build error); the engine's start-up l
 prints it. ``EAGLE_JAX_CPU_MATMUL=xla`` switches it off (XLA's own dot everywhere),
 ``=packed`` makes a failed build an error instead of a fallback.
 
-Only inference uses it: the step table packs the parameters it binds (``pack_params``);
-training and feature extraction keep the plain ``[in, out]`` kernels (no gradient is
-defined for the custom call).
+Only inference uses it: the step table packs the parameters it binds (``pack_params``),
+and so does draft training's feature extraction, which needs no gradient
+(``runtime.plan.bind_for_inference``); training keeps the plain ``[in, out]`` kernels (no
+gradient is defined for the custom call).
 """
 
 from __future__ import annotations

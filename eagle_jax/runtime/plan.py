@@ -12,6 +12,7 @@ extraction, which need gradients or plain kernels).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -97,6 +98,23 @@ def layers_for(backend: str, devices: int = 1) -> str:
     if v != "auto":
         return v
     return "stacked" if backend == "cpu" and devices == 1 else "unrolled"
+
+
+def bind_for_inference(plan: ExecutionPlan, target, draft=None):
+    """How ``plan`` binds a target (and draft) for inference: (the plan, with "unrolled"
+    layers where the target family has no stacked form; the target as bound: its
+    ``stacked()`` form where the plan stacks layers; ``BoundModules`` packed where the
+    plan packs). The step table's binding, and feature extraction's, which needs no
+    gradient either."""
+    from eagle_jax.models.llama import BoundModules
+
+    if plan.layers == "stacked":
+        if callable(getattr(target, "stacked", None)):
+            target = target.stacked(plan.packed_dtype if plan.matmul == "packed" else None)
+        else:
+            plan = dataclasses.replace(plan, layers="unrolled")
+    bound = BoundModules(target, draft, pack=plan.matmul == "packed", pack_dtype=plan.packed_dtype)
+    return dataclasses.replace(plan, packed=bound.packed), target, bound
 
 
 def model_dtype(plan: ExecutionPlan, dtype: str | None) -> str | None:

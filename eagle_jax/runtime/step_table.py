@@ -50,7 +50,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eagle_jax.kernels.plan import KERNEL_IMPLS, TREE_ATTENTION_BLOCK  # noqa: F401  (re-exported)
 from eagle_jax.models.draft import Eagle3Draft
 from eagle_jax.errors import ConfigError, EagleJaxError
-from eagle_jax.models.llama import BoundModules
 from eagle_jax.spec.sampling import SamplingArrays
 from eagle_jax.spec.config import SpeculativeConfig
 from eagle_jax.spec.steps import (
@@ -67,7 +66,7 @@ from eagle_jax.spec.steps import (
     verify_phase_impl,
 )
 from eagle_jax.runtime.executable_cache import ExecutableCache, describe_tree
-from eagle_jax.runtime.plan import resolve_plan
+from eagle_jax.runtime.plan import bind_for_inference, resolve_plan
 from eagle_jax.runtime.sharding import DRAFT_SHARDINGS, check_draft_sharding  # noqa: F401  (DRAFT_SHARDINGS re-exported)
 from eagle_jax.runtime.sharding import batch_rules, describe_mesh, model_axis_rules, replicated_rules, spans_processes
 from eagle_jax.validate import int_in
@@ -285,14 +284,9 @@ class StepTable:
         self.prefill_batches = {
             p: default_prefill_batches(self.batch_buckets, p, prefill_token_budget) for p in self.prompt_buckets
         }
-        if self.plan.layers == "stacked":
-            # The target's stacked form (one layer body in a loop), where its family has one.
-            if callable(getattr(target, "stacked", None)):
-                target = self.target = target.stacked(self.plan.packed_dtype if self.plan.matmul == "packed" else None)
-            else:
-                self.plan = dataclasses.replace(self.plan, layers="unrolled")
-        self._bound = BoundModules(target, draft, pack=self.plan.matmul == "packed", pack_dtype=self.plan.packed_dtype)
-        self.plan = dataclasses.replace(self.plan, packed=self._bound.packed)
+        # The target's stacked form where the plan stacks layers, packed where it packs.
+        self.plan, target, self._bound = bind_for_inference(self.plan, target, draft)
+        self.target = target
         # Sharding rules: the target's from its sizes (a ConfigError when the mesh does not
         # fit it; KV heads replicated where they do not divide "model"). The draft runs
         # replicated over "model" by default (its rows on "data"): one small layer run S

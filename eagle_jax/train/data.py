@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.errors import EagleJaxError, InputError
-from eagle_jax.models.llama import BoundModules, LlamaModel, causal_mask
+from eagle_jax.models.llama import BoundModules, LlamaModel, PrefixMask
 from eagle_jax.models.target import init_from_spec
-from eagle_jax.runtime.plan import xla_plan
+from eagle_jax.runtime.plan import bind_for_inference, resolve_plan, xla_plan
 from eagle_jax.spec.sampling import SamplingParams
 from eagle_jax.validate import is_int
 
@@ -348,17 +348,29 @@ class FeatureSet:
             raise InputError(f"feature set lengths must satisfy 1 <= prompt_length < length <= {width}")
 
 
-def _forward_fn(target: LlamaModel):
-    bound = BoundModules(target)
-    plan = xla_plan()  # XLA's own kernels for this backend (an MoE target picks its formulation by it)
+def _forward_fn(target: LlamaModel, kernels: str = "inference"):
+    """The target's forward over whole sequences: hidden states, features, argmax.
+
+    ``kernels="inference"`` (the default): bound as the engine binds it (no gradient is
+    needed here; ``runtime.plan.bind_for_inference``): on a CPU the packed-weight and
+    prefill-attention kernels and the stacked layers, so the features are the ones the
+    engine's prefill computes, at its speed. ``"xla"``: XLA's own kernels, unrolled."""
+    if kernels == "inference":
+        plan, _, bound = bind_for_inference(resolve_plan(), target)
+    elif kernels == "xla":
+        plan, bound = xla_plan(), BoundModules(target)  # an MoE target picks its formulation by the plan
+    else:
+        raise ValueError(f"kernels={kernels!r}; valid: inference, xla")
 
     @jax.jit
     def run(params, tokens):
-        (model,) = bound.modules(params)
+        model = bound.modules(params)[0]
         b, width = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(width), (b, width))
         cache = init_from_spec(model.cache_spec(b, width))  # any target's cache (the seam)
-        h, feats, _ = model(tokens, pos, cache, pos, causal_mask(pos, width), return_features=True, plan=plan)
+        # Causal over an empty prefix: the prefill chunk's mask (the kernels' prefill path).
+        mask = PrefixMask.causal(jnp.zeros((b,), jnp.int32), width)
+        h, feats, _ = model(tokens, pos, cache, pos, mask, return_features=True, plan=plan)
         return h, feats, jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
 
     return lambda tokens: run(bound.params, tokens)

@@ -136,3 +136,23 @@ def test_an_engine_over_stacked_layers_generates_the_unrolled_tokens(target, mon
         out[layers] = [[c.token_ids for c in engine.generate(PROMPTS[:n], params[:n])] for n in (1, 3)]
         assert engine.metrics.spec_steps > 0
     assert out["stacked"] == out["unrolled"]
+
+
+def test_feature_extraction_runs_the_inference_binding(target):
+    """Draft training's features come from the engine's binding (packed, stacked on a
+    CPU; no gradient is needed) by default: the same argmax as XLA's unrolled forward and
+    features equal within float32 rounding, at real and padded widths."""
+    from eagle_jax.train import data
+
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, CFG.vocab_size, (6, 96)).astype(np.int32)
+    lengths = np.asarray([96, 70, 64, 33, 9, 80])
+    got = {k: list(data._batches(data._forward_fn(target, k), tokens, lengths, range(6), 4)) for k in ("inference", "xla")}
+    for (ia, ha, fa, aa), (ib, hb, fb, ab) in zip(got["inference"], got["xla"]):
+        assert list(ia) == list(ib)
+        real = np.arange(ha.shape[1])[None] < lengths[ia][:, None]
+        np.testing.assert_array_equal(aa[real], ab[real])
+        np.testing.assert_allclose(fa[real], fb[real], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(ha[real], hb[real], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="kernels="):
+        data._forward_fn(target, "fast")
