@@ -377,62 +377,45 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
-                           ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
-  return Attention(pool, q, k, v, lens, nullptr, m, l, acc, false);
+// kCausal false: the prefix part of decode and verify attention. kCausal true: a prefill
+// chunk's whole attention: lens[b] is the chunk's start, its T keys already in the cache
+// from there; query t sees slots 0..lens[b]+t.
+template <bool kCausal>
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
+                          ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+  return Attention(pool, q, k, v, lens, nullptr, m, l, acc, kCausal);
 }
 
-// A prefill chunk's whole attention: lens[b] is the chunk's start, its T keys already in
-// the cache from there; query t sees slots 0..lens[b]+t.
-ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
-                            ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
-  return Attention(pool, q, k, v, lens, nullptr, m, l, acc, true);
-}
-
-// The same two over one layer of a stacked cache k/v [B, L, S, KV, D] (``layer`` [], int32).
-ffi::Error PrefixAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> layer,
-                                ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                                ffi::ResultBuffer<ffi::F32> acc) {
-  return Attention(pool, q, k, v, lens, &layer, m, l, acc, false);
-}
-
-ffi::Error PrefillAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> layer,
-                                 ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                                 ffi::ResultBuffer<ffi::F32> acc) {
-  return Attention(pool, q, k, v, lens, &layer, m, l, acc, true);
+// The same over one layer of a stacked cache k/v [B, L, S, KV, D] (``layer`` [], int32).
+template <bool kCausal>
+ffi::Error LayerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                          ffi::ResultBuffer<ffi::F32> acc) {
+  return Attention(pool, q, k, v, lens, &layer, m, l, acc, kCausal);
 }
 
 }  // namespace
 
-#define EAGLE_ATTENTION_BINDING                    \
+// q, k, v, lens [, layer] -> m, l, acc.
+#define EAGLE_ATTENTION_INPUTS                     \
   ffi::Ffi::Bind()                                 \
       .Ctx<ffi::ThreadPool>()                      \
       .Arg<ffi::Buffer<ffi::F32>>()                \
       .Arg<ffi::Buffer<ffi::F32>>()                \
       .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention, PrefixAttention, EAGLE_ATTENTION_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention, PrefillAttention, EAGLE_ATTENTION_BINDING);
-
-#define EAGLE_ATTENTION_LAYER_BINDING              \
-  ffi::Ffi::Bind()                                 \
-      .Ctx<ffi::ThreadPool>()                      \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()
+#define EAGLE_ATTENTION_OUTPUTS                    \
+  .Ret<ffi::Buffer<ffi::F32>>()                    \
       .Ret<ffi::Buffer<ffi::F32>>()                \
       .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention_layer, PrefixAttentionLayer, EAGLE_ATTENTION_LAYER_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention_layer, PrefillAttentionLayer, EAGLE_ATTENTION_LAYER_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention, CacheAttention<false>,
+                              EAGLE_ATTENTION_INPUTS EAGLE_ATTENTION_OUTPUTS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention, CacheAttention<true>,
+                              EAGLE_ATTENTION_INPUTS EAGLE_ATTENTION_OUTPUTS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefix_attention_layer, LayerAttention<false>,
+                              EAGLE_ATTENTION_INPUTS.Arg<ffi::Buffer<ffi::S32>>() EAGLE_ATTENTION_OUTPUTS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle_prefill_attention_layer, LayerAttention<true>,
+                              EAGLE_ATTENTION_INPUTS.Arg<ffi::Buffer<ffi::S32>>() EAGLE_ATTENTION_OUTPUTS);

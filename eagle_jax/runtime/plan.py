@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from eagle_jax.errors import ConfigError
 from eagle_jax.kernels import cpu_matmul
 from eagle_jax.kernels.plan import LAYERS, LAYERS_ENV, ExecutionPlan, check_kernel_impl
+from eagle_jax.models.llama import BoundModules
 
 
 def default_max_chunk(backend: str | None = None) -> int:
@@ -106,8 +107,6 @@ def bind_for_inference(plan: ExecutionPlan, target, draft=None):
     ``stacked()`` form where the plan stacks layers; ``BoundModules`` packed where the
     plan packs). The step table's binding, and feature extraction's, which needs no
     gradient either."""
-    from eagle_jax.models.llama import BoundModules
-
     if plan.layers == "stacked":
         if callable(getattr(target, "stacked", None)):
             target = target.stacked(plan.packed_dtype if plan.matmul == "packed" else None)

@@ -70,7 +70,8 @@ from eagle_jax.runtime.plan import bind_for_inference, resolve_plan
 from eagle_jax.runtime.sharding import DRAFT_SHARDINGS, check_draft_sharding  # noqa: F401  (DRAFT_SHARDINGS re-exported)
 from eagle_jax.runtime.sharding import batch_rules, describe_mesh, model_axis_rules, replicated_rules, spans_processes
 from eagle_jax.validate import int_in
-from eagle_jax.models.target import TargetModel, default_mesh, init_from_spec, is_spec, partition_spec, shardings_for
+from eagle_jax.models.target import (TargetModel, cache_len, default_mesh, init_from_spec, is_spec, partition_spec,
+                                     shardings_for)
 
 log = logging.getLogger(__name__)
 
@@ -381,8 +382,7 @@ class StepTable:
 
     @property
     def target_cache_len(self) -> int:
-        leaf = jax.tree.leaves(self._specs[self.batch_buckets[0]].target_cache, is_leaf=is_spec)[0]
-        return leaf.shape[leaf.axes.index("cache_seq")]
+        return cache_len(self._specs[self.batch_buckets[0]].target_cache)
 
     def verify_attention_path(self) -> str:
         """How verify forwards attend in this table's graphs, and why (for the start-up

@@ -233,10 +233,10 @@ def _move_accepted_kv(cache, seq_lens, accept_index, accept_length):
     i = jnp.arange(w)[None, :]
     src = seq_lens[:, None] + jnp.maximum(accept_index, 0)
     dst = jnp.where(i < accept_length[:, None], seq_lens[:, None] + i, cache_len(cache))  # past the end: dropped
-    # accept_index[i] >= i, so reading every source before writing is safe.
-    if slot_axis(cache) == 2:  # [B, L, S, ...]: every layer's entry moves
-        return jax.tree.map(lambda c: c.at[rows, :, dst].set(c[rows, :, src], mode="drop"), cache)
-    return jax.tree.map(lambda c: c.at[rows, dst].set(c[rows, src], mode="drop"), cache)
+    # accept_index[i] >= i, so reading every source before writing is safe. Axes between
+    # the row and the slot (a stacked cache's layers) move whole.
+    between = (slice(None),) * (slot_axis(cache) - 1)
+    return jax.tree.map(lambda c: c.at[(rows, *between, dst)].set(c[(rows, *between, src)], mode="drop"), cache)
 
 
 def _draft_extend(draft: Eagle3Draft, cache: KVCache, tokens, features, seq_lens, keep_row, plan: ExecutionPlan = XLA_PLAN):
