@@ -600,6 +600,12 @@ def test_least_step_seconds_is_the_verify_forward_plus_the_context():
     assert least_step_seconds(1, CHAINS[1], plain, empty) == pytest.approx(0.0235 + 0.010)
     # 4 rows x 8 tokens (the tree): 32 rows, past bucket 4 along its last segment (2.5 ms a row).
     assert least_step_seconds(4, TREE, plain, empty) == pytest.approx(0.026 + 28 * 0.0025 + 0.014)
+    # With the draft's steps at a share of 0.1 of a plain step of as many rows: the
+    # chain's one step over 1 row; the tree's first over 4 rows, its next two over 16.
+    assert least_step_seconds(1, CHAINS[0], plain, empty, 0.1) == pytest.approx(0.021 + 0.010 + 0.1 * 0.020)
+    assert least_step_seconds(1, CHAINS[2], plain, empty, 0.1) == pytest.approx(0.026 + 0.010 + 0.1 * 3 * 0.020)
+    assert least_step_seconds(4, TREE, plain, empty, 0.1) == pytest.approx(
+        0.026 + 28 * 0.0025 + 0.014 + 0.1 * (0.026 + 2 * (0.026 + 12 * 0.0025)))
 
 
 def test_fit_buckets_leaves_out_the_shapes_that_cannot_pay_per_bucket():
@@ -619,17 +625,21 @@ def test_fit_buckets_leaves_out_the_shapes_that_cannot_pay_per_bucket():
     line = p.fit_buckets(_plain(at_ctx, empty, timed), [1, 2, 4, 8], context=512, rounds=3)
     assert sorted(set(timed)) == [(b, c) for b in (1, 2, 4, 8) for c in (0, 512)]
     assert len(timed) == 4 * 2 * 4  # a warm-up and three rounds each
-    # Bucket 2: the tree's 16 rows cost 34 + 8 x 2.5 + 3 = 57 ms > 1.85 x 24 = 44.4.
-    # Bucket 4: chain S=2's 12 rows cost 34 + 10 + 4 = 48 < 1.75 x 28 = 49; chain S=3's
-    # 16 rows 58 > 51.8. Bucket 8: chain S=1's 16 rows cost 54 + 4 = 58 > 1.5 x 38 = 57.
-    assert {b: p.shapes_at(b) for b in (1, 2, 4, 8)} == {1: shapes, 2: CHAINS[:3], 4: CHAINS[:2], 8: ()}
-    assert "8: plain only" in line and "(7 of 16 speculative steps left out)" in line, line
+    # Draft steps at the default share 0.05 of a plain step of as many rows. Bucket 1: the
+    # tree's 8 rows 34 + 0.05 x (20 + 2 x 24) + 2 = 39.4 < 1.85 x 22 = 40.7. Bucket 2: the
+    # tree's 16 rows cost 34 + 8 x 2.5 + 3 = 57 ms > 1.85 x 24 = 44.4; chain S=3's 8 rows
+    # 34 + 0.05 x 3 x 21 + 3 = 40.15 < 44.4. Bucket 4: chain S=1's 8 rows 34 + 0.05 x 24
+    # + 4 = 39.2 < 1.5 x 28 = 42; chain S=2's 12 rows 34 + 10 + 0.05 x 2 x 24 + 4 = 50.4 >
+    # 1.75 x 28 = 49 (48 without its draft steps). Bucket 8: chain S=1's 16 rows cost 54 +
+    # 4 = 58 > 1.5 x 38 = 57.
+    assert {b: p.shapes_at(b) for b in (1, 2, 4, 8)} == {1: shapes, 2: CHAINS[:3], 4: CHAINS[:1], 8: ()}
+    assert "8: plain only" in line and "(8 of 16 speculative steps left out)" in line, line
     assert p.options(8) == (None,) and p.options() == (None,) + shapes
 
     asked = []
     line = p.calibrate(lambda b, s: asked.append((b, s)) or _times(10, 3, 40)(b, s), [1, 2, 4, 8])
     assert set(asked) == {(b, s) for b in (1, 2, 4, 8) for s in p.options(b)}
-    assert p.best(8) is None and "4 batch buckets with 1/3/4/5 options" in line, line
+    assert p.best(8) is None and "4 batch buckets with 1/2/4/5 options" in line, line
     record = json.loads(json.dumps(p.calibration_record()))
     assert record["seconds"][-1] == [pytest.approx(0.08), None, None, None, None]  # bucket 8: plain only
 

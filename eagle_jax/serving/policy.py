@@ -264,24 +264,36 @@ def prune_by_prior(
     return kept, tuple(s for s in shapes if s not in kept)
 
 
-def least_step_seconds(bucket: int, shape: SpeculativeConfig, plain: dict, plain_empty: dict) -> float:
+def least_step_seconds(bucket: int, shape: SpeculativeConfig, plain: dict, plain_empty: dict,
+                       draft_share: float = 0.0) -> float:
     """The least a speculative step of ``shape`` can cost at ``bucket`` rows, from plain
     steps timed per bucket at the calibration context (``plain``) and at an empty one
-    (``plain_empty``), {bucket: seconds}: its verify forward runs the target over
-    ``bucket * num_draft_tokens`` tokens (the products of a plain step of that many rows,
-    with no context to attend over: ``plain_empty`` interpolated linearly between
-    buckets, and past the largest along the slope of its last segment) and attends over
-    ``bucket`` rows' contexts (what the context added to the plain step of ``bucket``
-    rows); the draft's own steps come on top, so they are left out."""
+    (``plain_empty``), {bucket: seconds}:
+
+    - its verify forward runs the target over ``bucket * num_draft_tokens`` tokens: the
+      products of a plain step of that many rows with no context to attend over
+      (``plain_empty`` interpolated linearly between buckets, and past the largest along
+      the slope of its last segment), and attends over ``bucket`` rows' contexts (what
+      the context added to the plain step of ``bucket`` rows);
+    - its ``num_steps`` draft steps each run the draft over ``bucket`` rows (the first)
+      or ``bucket * topk`` (a tree's next ones), and a draft step costs at least
+      ``draft_share`` (``draft_step_share``: the weights it reads over a plain step's)
+      of the empty plain step of as many rows: its products are that share of the
+      target's, per token, and so are its weights' reads.
+
+    Leaving out the draft's attention, its catch-up and the step's bookkeeping keeps this
+    a lower bound."""
     xs = sorted(plain_empty)
     ys = [plain_empty[x] for x in xs]
-    n = bucket * shape.num_draft_tokens
-    if n <= xs[-1]:
-        forward = float(np.interp(n, xs, ys))
-    else:
+
+    def forward(n: int) -> float:
+        if n <= xs[-1]:
+            return float(np.interp(n, xs, ys))
         slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) if len(xs) > 1 else 0.0
-        forward = ys[-1] + slope * (n - xs[-1])
-    return forward + max(0.0, plain[bucket] - plain_empty[bucket])
+        return ys[-1] + slope * (n - xs[-1])
+
+    draft = forward(bucket) + (shape.num_steps - 1) * forward(bucket * shape.topk)
+    return forward(bucket * shape.num_draft_tokens) + draft_share * draft + max(0.0, plain[bucket] - plain_empty[bucket])
 
 
 def parse_shapes(text: str | Sequence[str], **fields) -> tuple[SpeculativeConfig, ...]:
@@ -533,7 +545,9 @@ class AutoPolicy(SpeculationPolicy):
         costs at least ``least_step_seconds``: a plain step of b*T rows at an empty
         context (the products; interpolated between the buckets' timings, extrapolated
         past the largest one along its last segment) plus what attending over the
-        context added to the plain step of b rows. A shape is kept at bucket b only if
+        context added to the plain step of b rows, plus its S draft steps, each at
+        least ``pruned_below`` (the draft step share the candidates were pruned under)
+        of a plain step of as many rows. A shape is kept at bucket b only if
         even its optimistic expected accept length (``expected_length(shape,
         optimism=1)``, the bound the policy's exploration probes under) times plain's
         rate beats that least time: otherwise auto could never choose it there, not even
@@ -568,11 +582,10 @@ class AutoPolicy(SpeculationPolicy):
         self._at = {}
         smallest = min(buckets)
         for b in buckets:
-            keep = tuple(s for s in self.shapes
-                         if self.expected_length(s, optimism=1.0) * at_ctx[b] > least_step_seconds(b, s, at_ctx, empty))
+            least = {s: least_step_seconds(b, s, at_ctx, empty, self.pruned_below) for s in self.shapes}
+            keep = tuple(s for s in self.shapes if self.expected_length(s, optimism=1.0) * at_ctx[b] > least[s])
             if not keep and b == smallest:
-                keep = (max(self.shapes, key=lambda s: self.expected_length(s, optimism=1.0)
-                            * at_ctx[b] / least_step_seconds(b, s, at_ctx, empty)),)
+                keep = (max(self.shapes, key=lambda s: self.expected_length(s, optimism=1.0) * at_ctx[b] / least[s]),)
             self._at[b] = keep
         plain = ", ".join(f"{b}: {1000 * at_ctx[b]:.1f}/{1000 * empty[b]:.1f}" for b in buckets)
         return (f"shapes per batch bucket by their least step cost (plain step ms at context {context}/empty: {plain}; "
