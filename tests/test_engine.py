@@ -146,6 +146,37 @@ def test_a_first_token_is_delivered_before_the_step_behind_it_is_waited_for(engi
     assert dict(first_read)[rid] == 1
 
 
+def test_one_row_prefills_zero_the_last_state_in_place(engine, reference, monkeypatch):
+    """A request prefilled alone gets the previous one-row prefill state back, zeroed in
+    place (``StepTable.rezero``: no new buffers, whose pages cost most of a fresh
+    state's time), not a newly allocated one; a short prompt after longer ones still
+    decodes exactly as alone, and a rezeroed state is all zeros."""
+    x, t = engine.executor, engine.table
+    calls = {"zeros": 0, "rezero": 0}
+    for name in calls:
+        real = getattr(t, name)
+
+        def spy(*a, name=name, real=real):
+            if name == "rezero" or a == (1,):
+                calls[name] += 1
+            return real(*a)
+
+        monkeypatch.setattr(t, name, spy)
+    for i in (0, 5, 1, 3):  # 60, 70, 12 and 44 tokens: shorter prompts after longer ones
+        rid = _add(engine, i, LENGTHS[i])
+        engine.run_until_done()
+        (done,) = [c for c in engine.pop_finished() if c.id == rid]
+        assert done.token_ids == reference[i].token_ids, i
+    assert calls["rezero"] + calls["zeros"] == 4 and calls["rezero"] >= 3, calls
+    spare, x._spare = x._spare, None  # donated below
+    assert spare is not None and any(bool(jnp.any(a != 0)) for a in jax.tree.leaves(spare))
+    fresh = t.zeros(1)
+    cleared = t.rezero(spare)
+    assert jax.tree.structure(cleared) == jax.tree.structure(fresh)
+    for a, b in zip(jax.tree.leaves(cleared), jax.tree.leaves(fresh)):
+        assert a.shape == b.shape and a.dtype == b.dtype and not bool(jnp.any(a != 0))
+
+
 def test_step_table_refuses_graphs_it_did_not_build(engine):
     t = engine.table
     with pytest.raises(CompileAfterBuildError, match="not compiled at start-up"):

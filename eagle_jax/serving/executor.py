@@ -22,6 +22,7 @@ from eagle_jax.serving.requests import Request
 from eagle_jax.serving.scheduler import PrefillJob, Scheduler
 from eagle_jax.spec.config import SpeculativeConfig
 from eagle_jax.spec.sampling import SamplingParams
+from eagle_jax.spec.steps import SpecState
 
 
 @dataclasses.dataclass
@@ -76,6 +77,9 @@ class Executor:
         self._last_ready: float | None = None
         self._steps = 0
         self._first_tokens: list[tuple[list[Request], jax.Array]] = []
+        # The last one-row prefill state, kept after its rows joined the batch: the next
+        # one-row prefill zeroes it in place (table.rezero) instead of allocating anew.
+        self._spare: SpecState | None = None
 
     def _launch(self, fn, *args):
         """Call a compiled graph, counting the time as dispatch, not host work."""
@@ -132,7 +136,8 @@ class Executor:
             if start + c < len(r.prompt):
                 nxt[i] = r.prompt[start + c]
         if job.state is None:
-            job.state = self._launch(t.zeros, n)
+            spare, self._spare = self._spare, None
+            job.state = self._launch(t.rezero, spare) if n == 1 and spare is not None else self._launch(t.zeros, n)
             job.samp = t.sampling([r.params for r in job.requests], n)
         put = t.device_put_rows
         state, job.state = job.state, None  # donated
@@ -154,6 +159,8 @@ class Executor:
         rows = [s.row_of(r) if not r.done else None for r in job.requests]
         rows = [b if i is None else i for i in rows]  # past the end: dropped
         self.state = self._launch(t.insert, self.state, job.state, t.device_put_rows(np.asarray(rows, np.int32)))
+        if len(rows) == 1:
+            self._spare = job.state
         job.state = None
         self._samp = None
         for r, row in zip(job.requests, rows):
