@@ -28,6 +28,7 @@ def _arrays(rng, b, t, kv, g, d, s):
     [
         (1, 1, 3, 3, 64, 50),     # batch-1 decode
         (64, 1, 3, 3, 64, 386),   # a full decode batch
+        (2, 4, 3, 3, 64, 1100),   # a verify over prefixes of up to four 256-slot blocks
         (3, 4, 3, 3, 64, 300),    # a chain verify
         (2, 8, 2, 4, 128, 200),   # head dim 128 (Llama 3)
         (5, 16, 1, 4, 16, 70),    # T * G = 64, the kernel's largest; head dim 16
@@ -128,16 +129,18 @@ def test_state_of_a_row_without_prefix():
 
 def test_a_query_gets_the_same_bits_whatever_shares_the_call():
     """A plain step's query (alone, T=1) and the same query inside a verify call (T=8, a
-    batch of 4) get identical prefix states: greedy speculation relies on it."""
+    batch of 7) get identical prefix states: greedy speculation relies on it. The
+    prefixes cross the decode path's 256-slot blocks (one block, a block and a slot,
+    four blocks), whose partial states merge the same whatever shares the call."""
     rng = np.random.default_rng(1)
-    b, t, kv, g, d, s = 4, 8, 3, 3, 64, 300
+    b, t, kv, g, d, s = 7, 8, 3, 3, 64, 1000
     q = jnp.asarray(rng.standard_normal((b, t, kv, g, d), dtype=np.float32))
     kc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
     vc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
-    lens = jnp.asarray([0, 77, 150, 300], jnp.int32)
+    lens = jnp.asarray([0, 77, 150, 256, 257, 300, 1000], jnp.int32)
     f = jax.jit(cpu_matmul.prefix_attention_state)
     m, l, acc = (np.asarray(x) for x in f(q, kc, vc, lens))
-    for row in (1, 3):
+    for row in (1, 3, 4, 6):
         for tq in (0, 5):
             m1, l1, a1 = (np.asarray(x) for x in f(q[row:row + 1, tq:tq + 1], kc[row:row + 1], vc[row:row + 1], lens[row:row + 1]))
             np.testing.assert_array_equal(m1[0, :, :, 0], m[row, :, :, tq])

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -135,11 +136,11 @@ inline void softmax_update(float* si, int64_t n, float& m, float& l, float* acc_
     for (int64_t v = 0; v < nv; ++v) astore(acc_i + v * AW, aload(acc_i + v * AW) * corr);
 }
 
-// One (row b, kv head h): queries q[b, t, h, g, :] for every (t, g), slots 0..len-1 of
-// k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] at query index g * T + t (the
-// caller's [.., G, T] layout, so it needs no transpose).
-void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t len, int64_t b, int64_t h,
-          float* m_out, float* l_out, float* acc_out) {
+// One (row b, kv head h): queries q[b, t, h, g, :] for every (t, g), slots lo..hi-1 of
+// k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] to m_out, l_out, acc_out, query index
+// g * T + t (the caller's [.., G, T] layout, so it needs no transpose).
+void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t lo, int64_t hi, int64_t b,
+          int64_t h, float* m_out, float* l_out, float* acc_out) {
   const int64_t nq = d.T * d.G, D = d.D, nv = D / AW;
   // Per-thread scratch (144 KiB: too much for a pool thread's stack to take lightly).
   alignas(64) static thread_local float qs[kMaxQ * kMaxD];
@@ -155,8 +156,8 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
   const int64_t row_stride = d.slot_stride();  // between slots
   const float* kb = kc + d.offset(b, h);
   const float* vb = vc + d.offset(b, h);
-  for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
-    const int64_t n = std::min<int64_t>(kChunk, len - j0);
+  for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, hi - j0);
     for (int64_t j = 0; j < n; ++j) {
       const float* kj = kb + (j0 + j) * row_stride;
       for (int64_t i = 0; i < nq; ++i) {
@@ -176,10 +177,41 @@ void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64
       }
     }
   }
-  const int64_t base = (b * d.KV + h) * nq;
-  std::memcpy(m_out + base, m, nq * sizeof(float));
-  std::memcpy(l_out + base, l, nq * sizeof(float));
-  std::memcpy(acc_out + base * D, acc, nq * D * sizeof(float));
+  std::memcpy(m_out, m, nq * sizeof(float));
+  std::memcpy(l_out, l, nq * sizeof(float));
+  std::memcpy(acc_out, acc, nq * D * sizeof(float));
+}
+
+// The decode path splits a row's prefix into blocks of kSplit slots at fixed positions
+// (0, kSplit, 2 kSplit, ...), each block a unit of its own, merged afterwards in block
+// order: at batch 1 a step has only KV (row, head) units, 3 for SmolLM2 over 2 threads,
+// so one thread did twice the other's work, and over 1,000 slots a plain step spent 8 ms
+// in attention. The blocks do not depend on the batch, the query count or the threads, so
+// a query's bits still depend only on its vector and its row's prefix; a prefix of at
+// most kSplit slots is one block, computed as before.
+constexpr int64_t kSplit = 256;
+
+inline int64_t blocks_of(int64_t len) { return std::max<int64_t>(1, (len + kSplit - 1) / kSplit); }
+
+// Merges the online-softmax states of nb blocks (m, l [nb, nq], acc [nb, nq, D]), block 0
+// first, into one (m_out, l_out [nq], acc_out [nq, D]).
+void merge_blocks(int64_t nb, int64_t nq, int64_t D, const float* m, const float* l, const float* acc, float* m_out,
+                  float* l_out, float* acc_out) {
+  const int64_t nv = D / AW;
+  for (int64_t i = 0; i < nq; ++i) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < nb; ++k) mx = std::max(mx, m[k * nq + i]);
+    float tot = 0.f;
+    float* out = acc_out + i * D;
+    for (int64_t k = 0; k < nb; ++k) {
+      const float c = std::exp(m[k * nq + i] - mx);  // each block holds a slot: its m is finite
+      tot += l[k * nq + i] * c;
+      const float* a = acc + (k * nq + i) * D;
+      for (int64_t v = 0; v < nv; ++v) astore(out + v * AW, (k ? aload(out + v * AW) : af{}) + aload(a + v * AW) * c);
+    }
+    m_out[i] = mx;
+    l_out[i] = tot;
+  }
 }
 
 // The tiled path, for a prefill chunk's many queries (T * G > kMaxQ): a head's queries in
@@ -313,17 +345,32 @@ struct AttnJob {
   const float *q, *k, *v;
   const int32_t* lens;
   float *m, *l, *acc;
-  int64_t units, chunks, tiles;  // tiles: units per (row, kv head)
+  int64_t units, chunks, tiles;  // tiled: units per (row, kv head)
   bool tiled, causal;            // the tiled path; causal: the chunk's own keys too (prefill)
+  // The decode path's units: row b's are first_unit[b] .. first_unit[b + 1] - 1, a
+  // (kv head, block) each; a row of several blocks writes them to the partial states
+  // (pm, pl, pacc at its unit index), merged by the caller.
+  std::vector<int64_t> first_unit;
+  float *pm = nullptr, *pl = nullptr, *pacc = nullptr;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
+    const int64_t nq = d.T * d.G;
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       for (int64_t u = units * c / chunks; u < units * (c + 1) / chunks; ++u) {
-        const int64_t b = u / (d.KV * tiles), h = u / tiles % d.KV, tile = u % tiles;
-        const int64_t len = std::clamp<int64_t>(lens[b], 0, d.S);
         if (!tiled) {
-          unit(d, q, k, v, len, b, h, m, l, acc);
+          const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
+          const int64_t len = std::clamp<int64_t>(lens[b], 0, d.S), nb = blocks_of(len);
+          const int64_t h = (u - first_unit[b]) / nb, blk = (u - first_unit[b]) % nb;
+          if (nb == 1) {
+            const int64_t base = (b * d.KV + h) * nq;
+            unit(d, q, k, v, 0, len, b, h, m + base, l + base, acc + base * d.D);
+          } else {
+            unit(d, q, k, v, blk * kSplit, std::min(len, (blk + 1) * kSplit), b, h, pm + u * nq, pl + u * nq,
+                 pacc + u * nq * d.D);
+          }
         } else {
+          const int64_t b = u / (d.KV * tiles), h = u / tiles % d.KV, tile = u % tiles;
+          const int64_t len = std::clamp<int64_t>(lens[b], 0, d.S);
           const int64_t q0 = tile * kMaxQ;
           tile_unit(d, q, k, v, len, b, h, q0, std::min<int64_t>(kMaxQ, d.T * d.G - q0), causal, m, l, acc);
         }
@@ -361,10 +408,29 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const auto md = m->dimensions(), ad = acc->dimensions();
   if (md.size() != 3 || md[0] != d.B || md[1] != d.KV || md[2] != nq || ad.size() != 4 || ad[3] != d.D)
     return ffi::Error::InvalidArgument("eagle_prefix_attention: outputs must be m, l [B,KV,G*T] and acc [B,KV,G*T,D]");
-  const int64_t units = d.B * d.KV * tiles;
+  auto job = std::make_shared<AttnJob>();
+  int64_t units = d.B * d.KV * tiles;
+  bool split = false;
+  if (!tiled) {
+    job->first_unit.resize(d.B + 1);
+    units = 0;
+    for (int64_t b = 0; b < d.B; ++b) {
+      job->first_unit[b] = units;
+      const int64_t nb = blocks_of(std::clamp<int64_t>(lens.typed_data()[b], 0, d.S));
+      split |= nb > 1;
+      units += d.KV * nb;
+    }
+    job->first_unit[d.B] = units;
+    if (split) {  // the calling thread's, kept between calls (a fresh large buffer faults its pages in)
+      static thread_local std::vector<float> partial;
+      if (partial.size() < static_cast<size_t>(units * nq * (d.D + 2))) partial.resize(units * nq * (d.D + 2));
+      job->pm = partial.data();
+      job->pl = job->pm + units * nq;
+      job->pacc = job->pl + units * nq;
+    }
+  }
   if (units == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto job = std::make_shared<AttnJob>();
   job->d = d;
   job->q = q.typed_data(); job->k = k.typed_data(); job->v = v.typed_data();
   job->lens = lens.typed_data();
@@ -380,6 +446,17 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
 #if defined(__x86_64__)
     __builtin_ia32_pause();
 #endif
+  }
+  if (split) {
+    for (int64_t b = 0; b < d.B; ++b) {
+      const int64_t nb = blocks_of(std::clamp<int64_t>(lens.typed_data()[b], 0, d.S));
+      if (nb == 1) continue;
+      for (int64_t h = 0; h < d.KV; ++h) {
+        const int64_t u = job->first_unit[b] + h * nb, base = (b * d.KV + h) * nq;
+        merge_blocks(nb, nq, d.D, job->pm + u * nq, job->pl + u * nq, job->pacc + u * nq * d.D,
+                     m->typed_data() + base, l->typed_data() + base, acc->typed_data() + base * d.D);
+      }
+    }
   }
   return ffi::Error::Success();
 }
