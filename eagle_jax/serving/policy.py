@@ -766,6 +766,8 @@ class AutoPolicy(SpeculationPolicy):
                 # it the calibration's noise, so a close competitor gets measured for real.
                 hope *= 1.0 + self.timing_doubt
             hopes[o] = hope
+        if not hopes:  # a bucket where fit_buckets kept plain alone: nothing to explore
+            return False, None
         o = max(hopes, key=hopes.get)
         return (True, o) if hopes[o] > here else (False, None)
 
