@@ -168,6 +168,16 @@ def test_one_row_prefills_zero_the_last_state_in_place(engine, reference, monkey
         (done,) = [c for c in engine.pop_finished() if c.id == rid]
         assert done.token_ids == reference[i].token_ids, i
     assert calls["rezero"] + calls["zeros"] == 4 and calls["rezero"] >= 3, calls
+    # Two requests prefilled together (a two-row state of its own) leave the spare alone.
+    before = dict(calls)
+    pair = [_add(engine, 1, 3), _add(engine, 3, 3)]
+    engine.run_until_done()
+    alone = _add(engine, 4, LENGTHS[4])
+    engine.run_until_done()
+    done = {c.id: c for c in engine.pop_finished()}
+    assert [done[r].token_ids for r in pair] == [reference[1].token_ids[:3], reference[3].token_ids[:3]]
+    assert done[alone].token_ids == reference[4].token_ids
+    assert calls == {"zeros": before["zeros"], "rezero": before["rezero"] + 1}, calls
     spare, x._spare = x._spare, None  # donated below
     assert spare is not None and any(bool(jnp.any(a != 0)) for a in jax.tree.leaves(spare))
     fresh = t.zeros(1)

@@ -471,14 +471,13 @@ class StepTable:
         # against 3 ms to clear the same buffers), on every request's time to first token.
         # The select on a runtime flag reads the old values, so XLA writes the zeros into
         # the donated buffers instead of allocating (a constant zero ignores them).
-        _, sh1 = self._structs(1)
+        st1, sh1 = self._structs(1)
 
         def rezero(state, clear):
             return jax.tree.map(lambda s: jnp.where(clear, jnp.zeros((), s.dtype), s), state)
 
         jobs.append(("rezero batch 1", ("rezero", 1),
-                     self._job(rezero, (sh1, self._replicated), sh1, (0,),
-                               (self._structs(1)[0], jax.ShapeDtypeStruct((), jnp.bool_)))))
+                     self._job(rezero, (sh1, self._replicated), sh1, (0,), (st1, jax.ShapeDtypeStruct((), jnp.bool_)))))
         for p in self.prompt_buckets:
             for n in self.prefill_batches[p]:
                 def prefill(params, state, tokens, start, lengths, next_tokens, samp):

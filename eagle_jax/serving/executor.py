@@ -136,8 +136,11 @@ class Executor:
             if start + c < len(r.prompt):
                 nxt[i] = r.prompt[start + c]
         if job.state is None:
-            spare, self._spare = self._spare, None
-            job.state = self._launch(t.rezero, spare) if n == 1 and spare is not None else self._launch(t.zeros, n)
+            if n == 1 and self._spare is not None:
+                spare, self._spare = self._spare, None  # donated
+                job.state = self._launch(t.rezero, spare)
+            else:
+                job.state = self._launch(t.zeros, n)
             job.samp = t.sampling([r.params for r in job.requests], n)
         put = t.device_put_rows
         state, job.state = job.state, None  # donated
