@@ -625,6 +625,9 @@ def test_fit_buckets_leaves_out_the_shapes_that_cannot_pay_per_bucket():
     line = p.fit_buckets(_plain(at_ctx, empty, timed), [1, 2, 4, 8], context=512, rounds=3)
     assert sorted(set(timed)) == [(b, c) for b in (1, 2, 4, 8) for c in (0, 512)]
     assert len(timed) == 4 * 2 * 4  # a warm-up and three rounds each
+    # Every bucket's warm-up, then each round over every bucket in turn (a noisy spell
+    # slows one round of all, not all rounds of one).
+    assert timed == [(b, c) for b in (1, 2, 4, 8) for c in (512, 0)] * 4
     # Draft steps at the default share 0.05 of a plain step of as many rows. Bucket 1: the
     # tree's 8 rows 34 + 0.05 x (20 + 2 x 24) + 2 = 39.4 < 1.85 x 22 = 40.7. Bucket 2: the
     # tree's 16 rows cost 34 + 8 x 2.5 + 3 = 57 ms > 1.85 x 24 = 44.4; chain S=3's 8 rows
