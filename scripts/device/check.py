@@ -114,6 +114,12 @@ class Record:
         return value
 
 
+def sig3(x: float) -> float:
+    """``x`` to 3 significant digits: a rate rounded to a fixed decimal read 0.0 where the
+    machine is slow (a CPU dry run's bfloat16 matmul, 0.03 TFLOP/s on an AVX2 CPU)."""
+    return float(f"{x:.3g}")
+
+
 def median_ms(fn, reps: int, warm: int = 1) -> float:
     """Median wall time of ``fn()`` (which must block until its results are ready) in ms."""
     for _ in range(warm):
@@ -200,7 +206,7 @@ def section_env(rec: Record, out: Path) -> None:
 
         ms = median_ms(run, 10 if not rec.dry else 3, warm=2)
         moved = 2 * n * 2  # read + write
-        return {"bytes": moved, "ms": round(ms, 4), "gb_per_s": round(moved / ms / 1e6, 1)}
+        return {"bytes": moved, "ms": round(ms, 4), "gb_per_s": sig3(moved / ms / 1e6)}
 
     rec.attempt("copy_bandwidth", copy_bandwidth)
 
@@ -210,7 +216,7 @@ def section_env(rec: Record, out: Path) -> None:
         b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
         f = jax.jit(lambda a, b: a @ b)
         ms = median_ms(lambda: f(a, b).block_until_ready(), 10 if not rec.dry else 3, warm=2)
-        return {"n": n, "ms": round(ms, 4), "tflop_per_s": round(2 * n**3 / ms / 1e9, 1)}
+        return {"n": n, "ms": round(ms, 4), "tflop_per_s": sig3(2 * n**3 / ms / 1e9)}
 
     rec.attempt("bf16_matmul", matmul_rate)
 
