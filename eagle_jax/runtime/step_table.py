@@ -360,7 +360,7 @@ class StepTable:
         "data" like the state, except on a mesh over several processes, where it is
         replicated so that every process can read every row (a small all-gather)."""
         if self.multi_process:
-            return NamedSharding(self.mesh, PartitionSpec())
+            return self._replicated
         return self._batch_sharding(b, ndim)
 
     def state_shardings(self, b: int) -> SpecState:
