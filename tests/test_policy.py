@@ -122,6 +122,25 @@ def test_measured_times_cannot_make_a_speculative_step_cheaper_than_plain():
     assert sum(s is None for s in chosen[-96:]) >= 96 - 96 // 8, chosen[-96:]
 
 
+def test_one_probe_measures_plain_that_start_up_timed_as_dear_as_the_chain():
+    """A noisy calibration timed plain as dear as a random draft's chain S=3 (0.75 ms both;
+    a 4-row step of a tiny model). The chain runs first, and plain is predicted from the
+    chain's measured ratio, so as dear as it: the chain's uninformed prior keeps it ahead.
+    The first probe of plain runs until plain has three timed steps of its own (0.35 ms
+    against the chain's 0.52), and plain takes over after the hysteresis. Before, a probe
+    of two steps timed one plain step, and the chain held 111 of 240 steps in an engine."""
+    p = AutoPolicy(CHAINS[2:3], hysteresis=4, explore_every=16)
+    p.calibrate(lambda b, s: 0.00075, buckets=[4])
+    chosen = []
+    for _ in range(60):
+        shape = p.choose(4)
+        chosen.append(shape)
+        p.observe(4, shape, np.ones(4, np.int64), 0.00035 if shape is None else 0.00052)
+    assert chosen[:15] == [CHAINS[2]] * 15 and chosen[15:19] == [None] * 4, chosen[:20]
+    assert chosen[-30:] == [None] * 30 and p.report()[4]["chosen"] == "plain"
+    assert chosen.count(CHAINS[2]) <= 20
+
+
 def test_hysteresis_and_measured_step_times():
     """A challenger takes over only after ``hysteresis`` consecutive wins; measured step
     times replace the calibrated ones (a shape's own ratio after three, else the bucket's)."""
@@ -155,9 +174,15 @@ def test_exploration_tries_an_untested_tree():
     p.calibrate(_times(plain_ms=10, per_token_ms=2, tree_ms=16), buckets=[1])
     for _ in range(3):  # plain measured in the loop
         p.observe(1, None, np.array([1]), 0.010)
-    picks = [p.choose(1) for _ in range(20)]
-    # Two-step probes at steps 5 and 15: the gap doubles after a probe that left the choice as it was.
-    assert picks[4:6] == [TREE, TREE] and picks[14:16] == [TREE, TREE] and picks.count(TREE) == 4
+    picks = []
+    for _ in range(20):
+        picks.append(p.choose(1))
+        p.observe(1, picks[-1], np.array([], np.int64), 0.016 if picks[-1] == TREE else 0.012)  # times, no acceptance
+    # Probes at steps 5 and 15 (the gap doubles after a probe that left the choice as it
+    # was). The first runs 4 steps: its first is not timed, and the tree's time is the
+    # calibration's until 3 steps of its own are; the second the 2 steps of ``probe_steps``.
+    assert picks[4:8] == [TREE] * 4 and picks[14:16] == [TREE, TREE] and picks.count(TREE) == 6, picks
+    assert p._ratio[(1, TREE)][1] == 4 and p.step_seconds(1, TREE) == pytest.approx(0.016)
     # The tree accepts everything it drafts: its estimate rises and it becomes the choice.
     for _ in range(20):
         p.observe(1, TREE, np.array([4]), None)
@@ -180,10 +205,12 @@ def test_exploration_backs_off_while_the_choice_stands_and_resets_on_a_switch():
     for _ in range(1000):
         s = p.choose(1)
         picks.append(s)
-        p.observe(1, s, np.array([1]), None)  # the chain accepts nothing
+        p.observe(1, s, np.array([1]), None)  # the chain accepts nothing; no step is timed
     probes = [i + 1 for i, s in enumerate(picks) if s is not None]
     starts = [16, 48, 112, 240, 496, 752]
-    assert probes == [s + i for s in starts for i in (0, 1)], probes  # two steps a probe
+    # Four steps a probe: the chain never gets the 3 timed steps of its own that would end
+    # one after ``probe_steps`` (test_exploration_tries_an_untested_tree has both lengths).
+    assert probes == [s + i for s in starts for i in range(4)], probes
     # The draft turns out to accept everything: the estimate rises past the hysteresis and
     # the bucket switches to the chain; exploration restarts at explore_every.
     p.observe(1, CHAINS[0], np.full(20000, 2), None)
@@ -506,7 +533,9 @@ def test_auto_with_a_random_draft_ends_plain(target, draft):
     so the estimate must fall near 0 before plain wins by the margin (~25 steps from
     the uninformed prior; one CI run took 31 of 120). Three requests of 80 tokens in a
     row (the policy keeps what it learned) keep that transient under the 20% the
-    assertion allows. Its own engine (chain S=1 against plain, greedy steps only): the
+    assertion allows. A calibration that timed plain as dear as the chain is corrected
+    by the first probe of plain (test_one_probe_measures_plain_...; a CI run with probes
+    of two steps kept the chain for 113 of 240). Its own engine (chain S=1 against plain, greedy steps only): the
     fast suite's auto engine is not built a second time for the slow one."""
     config = EngineConfig(max_batch=4, max_seq_len=96, batch_buckets=(4,), prompt_buckets=(16,), spec_policy="auto",
                           spec_shapes=(CHAINS[0],), spec_calibration_s=2.0, sampled_steps=False)
@@ -563,8 +592,9 @@ def test_exploration_measures_a_close_competitor_timed_only_at_start_up():
     t = {None: 0.010, CHAINS[0]: 0.0150, CHAINS[1]: 0.0166}  # rates 100, 100, 105.4 tokens/s per row
     p.calibrate(lambda b, s: t[s], buckets=[1])
     assert p.best(1) == CHAINS[1]
-    picks = [p.choose(1) for _ in range(5)]
-    assert picks[3] in (None, CHAINS[0]) and picks[4] == picks[3]  # the untimed competitors are worth a probe
+    picks = [p.choose(1) for _ in range(7)]
+    # The untimed competitors are worth a probe, of 4 steps (3 timed ones of its own).
+    assert picks[3] in (None, CHAINS[0]) and picks[4:7] == [picks[3]] * 3
     for shape in (None, CHAINS[0], CHAINS[1]):
         for _ in range(4):  # steady runs of each (the first after a switch does not count)
             p.observe(1, shape, np.array([1 if shape is None else 2]), t[shape] * 1.2)

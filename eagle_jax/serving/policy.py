@@ -372,6 +372,11 @@ class Calibration:
     budget_s: float
 
 
+# Timed steps of its own after which an option's step time is its own measured ratio
+# (before: its bucket's, over whatever ran there).
+OWN_TIMINGS = 3
+
+
 class AutoPolicy(SpeculationPolicy):
     """Run the step predicted to give the most tokens per second in each batch bucket.
 
@@ -401,7 +406,12 @@ class AutoPolicy(SpeculationPolicy):
       optimistic rate (one posterior standard deviation up, and ``timing_doubt`` faster
       while its step time is only the calibration's) runs once if that beats the
       current one's prediction for ``probe_steps`` consecutive steps (the first step
-      after a switch is not a steady one and is not timed; the others are), so a prior
+      after a switch is not a steady one and is not timed; the others are), or, while
+      the option has fewer than ``OWN_TIMINGS`` timed steps of its own, until it has
+      them: a probe that ends with the option still predicted from another shape's
+      timings decides nothing (a noisy calibration that timed plain as dear as a
+      random draft's chain S=3 kept the chain for 111 of 240 steps, one timed plain
+      step per probe at 16, 48 and 112), so a prior
       that was wrong is corrected and stale timings are refreshed. Each probe that
       leaves the bucket's choice as it was doubles the gap to the next one, up to
       ``explore_max`` steps (default 256, or ``explore_every`` if longer); a change of
@@ -515,7 +525,7 @@ class AutoPolicy(SpeculationPolicy):
         if base is None:
             raise ConfigError(f"AutoPolicy was not calibrated for batch bucket {bucket} ({_name(shape)})")
         own = self._ratio.get((bucket, shape))
-        ratio = own[0] if own is not None and own[1] >= 3 else self._bucket_ratio.get(bucket, 1.0)
+        ratio = own[0] if own is not None and own[1] >= OWN_TIMINGS else self._bucket_ratio.get(bucket, 1.0)
         return base * ratio
 
     def predicted_tokens_per_second(self, bucket: int, shape: SpeculativeConfig | None, optimism: float = 0.0) -> float:
@@ -756,7 +766,7 @@ class AutoPolicy(SpeculationPolicy):
             self._next_probe[bucket] = (n + gap, gap)
             worth, probe = self._probe(bucket, cur)
             if worth:
-                self._probe_left[bucket] = (probe, self.probe_steps - 1)
+                self._probe_left[bucket] = (probe, self._probe_length(bucket, probe) - 1)
                 return probe
         return cur
 
@@ -769,7 +779,7 @@ class AutoPolicy(SpeculationPolicy):
                 continue
             hope = self.predicted_tokens_per_second(bucket, o, optimism=1.0)
             own = self._ratio.get((bucket, o))
-            if own is None or own[1] < 3:
+            if own is None or own[1] < OWN_TIMINGS:
                 # Its time is the start-up calibration's (an empty cache, few rounds): allow
                 # it the calibration's noise, so a close competitor gets measured for real.
                 hope *= 1.0 + self.timing_doubt
@@ -778,6 +788,13 @@ class AutoPolicy(SpeculationPolicy):
             return False, None
         o = max(hopes, key=hopes.get)
         return (True, o) if hopes[o] > here else (False, None)
+
+    def _probe_length(self, bucket: int, option) -> int:
+        """Steps a probe of ``option`` runs: ``probe_steps``, or enough for the option's
+        own time (its first step is not timed, then ``OWN_TIMINGS`` that are)."""
+        own = self._ratio.get((bucket, option))
+        missing = max(0, OWN_TIMINGS - (own[1] if own is not None else 0))
+        return max(self.probe_steps, 1 + missing) if missing else self.probe_steps
 
     def observe(self, bucket: int, shape: SpeculativeConfig | None, accept_lengths: np.ndarray, step_s: float | None) -> None:
         acc = np.asarray(accept_lengths, np.int64)
@@ -823,7 +840,8 @@ class AutoPolicy(SpeculationPolicy):
                   f"{', '.join(s.shape for s in self.pruned)}") if self.pruned else ""
         return (f"auto over plain and {', '.join(s.shape for s in self.shapes)} (acceptance prior: {self.prior_source}{pruned}; "
                 f"margin {self.margin:g}, hysteresis {self.hysteresis}, explore every {self.explore_every} steps, "
-                f"backing off to {self.explore_max} while the choice stands, {self.probe_steps} steps a probe)")
+                f"backing off to {self.explore_max} while the choice stands, {self.probe_steps} steps a probe, "
+                f"more until the option has {OWN_TIMINGS} timed steps of its own)")
 
 
 def _monotone(seconds: dict, buckets: Sequence[int], shapes_at: Callable[[int], Sequence[SpeculativeConfig]]) -> dict:
