@@ -148,6 +148,28 @@ def test_a_query_gets_the_same_bits_whatever_shares_the_call():
             np.testing.assert_array_equal(a1[0, :, :, 0], acc[row, :, :, tq])
 
 
+def test_a_decode_query_gets_the_same_bits_whether_its_heads_share_a_unit():
+    """With rows enough for the threads (a batch of 64 here, for up to 32 threads), a
+    decode-path unit takes all of a row's kv heads, reading each slot's keys and values
+    for them together; a lone row runs a unit a head. A query's bits are the same either
+    way, across the 256-slot blocks, for plain (T=1) and verify (T=8) widths."""
+    rng = np.random.default_rng(2)
+    s, kv, g, d = 600, 3, 3, 64
+    for t in (1, 8):
+        b = 64
+        q = jnp.asarray(rng.standard_normal((b, t, kv, g, d), dtype=np.float32))
+        kc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
+        vc = jnp.asarray(rng.standard_normal((b, s, kv, d), dtype=np.float32))
+        lens = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32).at[:4].set(jnp.asarray([1, 256, 257, 600]))
+        f = jax.jit(cpu_matmul.prefix_attention_state)
+        m, l, acc = (np.asarray(x) for x in f(q, kc, vc, lens))
+        for row in (0, 1, 2, 3, 40):
+            m1, l1, a1 = (np.asarray(x) for x in f(q[row:row + 1], kc[row:row + 1], vc[row:row + 1], lens[row:row + 1]))
+            np.testing.assert_array_equal(m1[0], m[row])
+            np.testing.assert_array_equal(l1[0], l[row])
+            np.testing.assert_array_equal(a1[0], acc[row])
+
+
 def test_a_prefill_query_gets_the_same_bits_whatever_shares_its_tile():
     """On the tiled path a query's state depends on its own vector and its row's prefix,
     not on the queries beside it in a register block or tile, nor on other rows: the

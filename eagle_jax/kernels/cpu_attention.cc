@@ -46,7 +46,9 @@ typedef float af __attribute__((vector_size(AW * 4)));
 typedef int32_t ai __attribute__((vector_size(AW * 4)));
 
 constexpr int kChunk = 64;      // slots scored before their softmax update
+constexpr int64_t kPF = 16;     // slots of keys prefetched ahead on the decode path
 constexpr int kMaxQ = 64;       // queries per (row, kv head): T * G
+constexpr int kMaxQA = 128;     // queries of a decode unit's heads together
 constexpr int kMaxD = 256;      // head dimension
 
 inline af aload(const float* p) { af v; std::memcpy(&v, p, sizeof(af)); return v; }
@@ -136,50 +138,117 @@ inline void softmax_update(float* si, int64_t n, float& m, float& l, float* acc_
     for (int64_t v = 0; v < nv; ++v) astore(acc_i + v * AW, aload(acc_i + v * AW) * corr);
 }
 
-// One (row b, kv head h): queries q[b, t, h, g, :] for every (t, g), slots lo..hi-1 of
-// k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] to m_out, l_out, acc_out, query index
-// g * T + t (the caller's [.., G, T] layout, so it needs no transpose).
+// acc[0 .. nv vectors] += sum_j p[j] * value row j (at vj + j * row_stride), over n slots
+// in order: VB accumulator vectors held in registers at a time, each element the same
+// sequence of fused multiply-adds as slot by slot through memory.
+template <int VB>
+inline void values(const float* p, const float* vj0, int64_t row_stride, int64_t n, float* acc, int64_t nv) {
+  for (int64_t v0 = 0; v0 < nv; v0 += VB) {
+    af r[VB];
+#pragma GCC unroll 8
+    for (int u = 0; u < VB; ++u) r[u] = aload(acc + (v0 + u) * AW);
+    const float* vj = vj0 + v0 * AW;
+    for (int64_t j = 0; j < n; ++j, vj += row_stride) {
+      const float pj = p[j];
+#pragma GCC unroll 8
+      for (int u = 0; u < VB; ++u) r[u] += pj * aload(vj + u * AW);
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < VB; ++u) astore(acc + (v0 + u) * AW, r[u]);
+  }
+}
+
+// One row b and kv heads h0 .. h0 + nh - 1: queries q[b, t, h, g, :] for every (t, g),
+// slots lo..hi-1 of k/v[b, :, h, :]. Writes m, l [nq] and acc [nq, D] of head h0 + e at
+// m_out/l_out + e * hstride * nq and acc_out + e * hstride * nq * D, query index g * T + t
+// (the caller's [.., G, T] layout, so it needs no transpose).
+//
+// Several heads a unit read a slot's keys and values for all of them together, 768
+// contiguous bytes for SmolLM2 (a single head's are a third of each slot, strided): on a
+// 2-core Zen 3 the strided reads ran 1.6x slower for the same bytes. Each query's
+// arithmetic is the same whichever heads share its unit (its own chains of fused
+// multiply-adds, in slot order), so its bits do not depend on the grouping.
 void unit(const Dims& d, const float* q, const float* kc, const float* vc, int64_t lo, int64_t hi, int64_t b,
-          int64_t h, float* m_out, float* l_out, float* acc_out) {
-  const int64_t nq = d.T * d.G, D = d.D, nv = D / AW;
-  // Per-thread scratch (144 KiB: too much for a pool thread's stack to take lightly).
-  alignas(64) static thread_local float qs[kMaxQ * kMaxD];
-  alignas(64) static thread_local float acc[kMaxQ * kMaxD];
-  alignas(64) static thread_local float s[kMaxQ * kChunk];
-  static thread_local float m[kMaxQ], l[kMaxQ];
-  for (int64_t t = 0; t < d.T; ++t)
-    for (int64_t g = 0; g < d.G; ++g)
-      std::memcpy(qs + (g * d.T + t) * D, q + (((b * d.T + t) * d.KV + h) * d.G + g) * D, D * sizeof(float));
-  std::fill(acc, acc + nq * D, 0.f);
-  std::fill(m, m + nq, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + nq, 0.f);
+          int64_t h0, int64_t nh, float* m_out, float* l_out, float* acc_out, int64_t hstride) {
+  const int64_t nq = d.T * d.G, nqa = nh * nq, D = d.D, nv = D / AW;
+  // Per-thread scratch (288 KiB: too much for a pool thread's stack to take lightly).
+  alignas(64) static thread_local float qs[kMaxQA * kMaxD];
+  alignas(64) static thread_local float acc[kMaxQA * kMaxD];
+  alignas(64) static thread_local float s[kMaxQA * kChunk];
+  static thread_local float m[kMaxQA], l[kMaxQA];
+  for (int64_t e = 0; e < nh; ++e)
+    for (int64_t t = 0; t < d.T; ++t)
+      for (int64_t g = 0; g < d.G; ++g)
+        std::memcpy(qs + (e * nq + g * d.T + t) * D, q + (((b * d.T + t) * d.KV + h0 + e) * d.G + g) * D, D * sizeof(float));
+  std::fill(acc, acc + nqa * D, 0.f);
+  std::fill(m, m + nqa, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nqa, 0.f);
   const int64_t row_stride = d.slot_stride();  // between slots
-  const float* kb = kc + d.offset(b, h);
-  const float* vb = vc + d.offset(b, h);
+  const float* kb = kc + d.offset(b, h0);
+  const float* vb = vc + d.offset(b, h0);
+  const int64_t span = nh * D;  // the unit's floats of a slot, contiguous
   for (int64_t j0 = lo; j0 < hi; j0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, hi - j0);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = kb + (j0 + j) * row_stride;
-      for (int64_t i = 0; i < nq; ++i) {
-        const float* qi = qs + i * D;
-        af a = af{};
-        for (int64_t v = 0; v < nv; ++v) a += aload(qi + v * AW) * aload(kj + v * AW);
-        s[i * kChunk + j] = hsum(a);
+    // Scores four slots at a time: four independent accumulator chains per query, each
+    // query vector element loaded once for the four. Each score is the same chain (fused
+    // multiply-adds over the vectors in order, then hsum) as a slot alone, the tail's,
+    // so its bits do not depend on where the blocks of four fall. The chunk's values
+    // are prefetched meanwhile, in address order, for the value pass below.
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      // Keys kPF slots ahead (past the prefix the address is only a hint: x86 prefetches
+      // never fault; formed as an integer so no out-of-range pointer exists).
+      const uintptr_t kp = reinterpret_cast<uintptr_t>(kb + (j0 + j) * row_stride) + sizeof(float) * uintptr_t(kPF * row_stride);
+      const float* vp = vb + (j0 + j) * row_stride;
+      for (int r = 0; r < 4; ++r)
+        for (int64_t c = 0; c < span; c += 16) {
+          __builtin_prefetch(reinterpret_cast<const void*>(kp + sizeof(float) * uintptr_t(r * row_stride + c)), 0, 3);
+          __builtin_prefetch(vp + r * row_stride + c, 0, 3);
+        }
+      for (int64_t e = 0; e < nh; ++e) {
+        const float* k0 = kb + (j0 + j) * row_stride + e * D;
+        for (int64_t i = 0; i < nq; ++i) {
+          const float* qi = qs + (e * nq + i) * D;
+          af a0 = af{}, a1 = af{}, a2 = af{}, a3 = af{};
+          for (int64_t v = 0; v < nv; ++v) {
+            const af qv = aload(qi + v * AW);
+            a0 += qv * aload(k0 + v * AW);
+            a1 += qv * aload(k0 + row_stride + v * AW);
+            a2 += qv * aload(k0 + 2 * row_stride + v * AW);
+            a3 += qv * aload(k0 + 3 * row_stride + v * AW);
+          }
+          float* si = s + (e * nq + i) * kChunk + j;
+          si[0] = hsum(a0), si[1] = hsum(a1), si[2] = hsum(a2), si[3] = hsum(a3);
+        }
       }
     }
-    for (int64_t i = 0; i < nq; ++i) softmax_update(s + i * kChunk, n, m[i], l[i], acc + i * D, nv);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vj = vb + (j0 + j) * row_stride;
-      for (int64_t i = 0; i < nq; ++i) {
-        const float p = s[i * kChunk + j];
-        float* ai_ = acc + i * D;
-        for (int64_t v = 0; v < nv; ++v) astore(ai_ + v * AW, aload(ai_ + v * AW) + p * aload(vj + v * AW));
+    for (; j < n; ++j) {
+      for (int64_t e = 0; e < nh; ++e) {
+        const float* kj = kb + (j0 + j) * row_stride + e * D;
+        for (int64_t i = 0; i < nq; ++i) {
+          const float* qi = qs + (e * nq + i) * D;
+          af a = af{};
+          for (int64_t v = 0; v < nv; ++v) a += aload(qi + v * AW) * aload(kj + v * AW);
+          s[(e * nq + i) * kChunk + j] = hsum(a);
+        }
+      }
+    }
+    for (int64_t i = 0; i < nqa; ++i) softmax_update(s + i * kChunk, n, m[i], l[i], acc + i * D, nv);
+    // Values (``values``), a query at a time; the chunk's values are in cache by now.
+    for (int64_t e = 0; e < nh; ++e) {
+      const float* ve = vb + j0 * row_stride + e * D;
+      for (int64_t i = e * nq; i < (e + 1) * nq; ++i) {
+        if (nv % 8 == 0) values<8>(s + i * kChunk, ve, row_stride, n, acc + i * D, nv);
+        else if (nv % 4 == 0) values<4>(s + i * kChunk, ve, row_stride, n, acc + i * D, nv);
+        else values<1>(s + i * kChunk, ve, row_stride, n, acc + i * D, nv);
       }
     }
   }
-  std::memcpy(m_out, m, nq * sizeof(float));
-  std::memcpy(l_out, l, nq * sizeof(float));
-  std::memcpy(acc_out, acc, nq * D * sizeof(float));
+  for (int64_t e = 0; e < nh; ++e) {
+    std::memcpy(m_out + e * hstride * nq, m + e * nq, nq * sizeof(float));
+    std::memcpy(l_out + e * hstride * nq, l + e * nq, nq * sizeof(float));
+    std::memcpy(acc_out + e * hstride * nq * D, acc + e * nq * D, nq * D * sizeof(float));
+  }
 }
 
 // The decode path splits a row's prefix into blocks of kSplit slots at fixed positions
@@ -348,9 +417,11 @@ struct AttnJob {
   int64_t units, chunks, tiles;  // tiled: units per (row, kv head)
   bool tiled, causal;            // the tiled path; causal: the chunk's own keys too (prefill)
   // The decode path's units: row b's are first_unit[b] .. first_unit[b + 1] - 1, a
-  // (kv head, block) each; a row of several blocks writes them to the partial states
-  // (pm, pl, pacc at its unit index), merged by the caller.
-  std::vector<int64_t> first_unit;
+  // (group of ``heads`` kv heads, block) each; a row of several blocks writes them to
+  // the partial states (pm, pl, pacc; head h's block blk at first_partial[b] + h * nb +
+  // blk), merged by the caller.
+  std::vector<int64_t> first_unit, first_partial;
+  int64_t heads = 1;  // kv heads a decode unit takes
   float *pm = nullptr, *pl = nullptr, *pacc = nullptr;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
@@ -358,15 +429,17 @@ struct AttnJob {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       for (int64_t u = units * c / chunks; u < units * (c + 1) / chunks; ++u) {
         if (!tiled) {
+          // Row b's units: (head group g, block blk) at first_unit[b] + g * nb + blk.
           const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
           const int64_t len = std::clamp<int64_t>(lens[b], 0, d.S), nb = blocks_of(len);
-          const int64_t h = (u - first_unit[b]) / nb, blk = (u - first_unit[b]) % nb;
+          const int64_t g = (u - first_unit[b]) / nb, blk = (u - first_unit[b]) % nb, h0 = g * heads;
           if (nb == 1) {
-            const int64_t base = (b * d.KV + h) * nq;
-            unit(d, q, k, v, 0, len, b, h, m + base, l + base, acc + base * d.D);
-          } else {
-            unit(d, q, k, v, blk * kSplit, std::min(len, (blk + 1) * kSplit), b, h, pm + u * nq, pl + u * nq,
-                 pacc + u * nq * d.D);
+            const int64_t base = (b * d.KV + h0) * nq;
+            unit(d, q, k, v, 0, len, b, h0, heads, m + base, l + base, acc + base * d.D, 1);
+          } else {  // partial states at (first_partial[b] + h * nb + blk) * nq
+            const int64_t pu = first_partial[b] + h0 * nb + blk;
+            unit(d, q, k, v, blk * kSplit, std::min(len, (blk + 1) * kSplit), b, h0, heads, pm + pu * nq, pl + pu * nq,
+                 pacc + pu * nq * d.D, nb);
           }
         } else {
           const int64_t b = u / (d.KV * tiles), h = u / tiles % d.KV, tile = u % tiles;
@@ -411,26 +484,35 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   auto job = std::make_shared<AttnJob>();
   int64_t units = d.B * d.KV * tiles;
   bool split = false;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (!tiled) {
+    // All of a row's kv heads in one unit where there are rows enough to share out over
+    // the threads (and scratch for their queries); else a unit a head.
+    if (d.B >= 2 * threads && d.KV * nq <= kMaxQA) job->heads = d.KV;
+    const int64_t groups = d.KV / job->heads;
     job->first_unit.resize(d.B + 1);
+    job->first_partial.resize(d.B + 1);
     units = 0;
+    int64_t partials = 0;
     for (int64_t b = 0; b < d.B; ++b) {
       job->first_unit[b] = units;
+      job->first_partial[b] = partials;
       const int64_t nb = blocks_of(std::clamp<int64_t>(lens.typed_data()[b], 0, d.S));
       split |= nb > 1;
-      units += d.KV * nb;
+      units += groups * nb;
+      partials += d.KV * nb;
     }
     job->first_unit[d.B] = units;
+    job->first_partial[d.B] = partials;
     if (split) {  // the calling thread's, kept between calls (a fresh large buffer faults its pages in)
       static thread_local std::vector<float> partial;
-      if (partial.size() < static_cast<size_t>(units * nq * (d.D + 2))) partial.resize(units * nq * (d.D + 2));
+      if (partial.size() < static_cast<size_t>(partials * nq * (d.D + 2))) partial.resize(partials * nq * (d.D + 2));
       job->pm = partial.data();
-      job->pl = job->pm + units * nq;
-      job->pacc = job->pl + units * nq;
+      job->pl = job->pm + partials * nq;
+      job->pacc = job->pl + partials * nq;
     }
   }
   if (units == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   job->d = d;
   job->q = q.typed_data(); job->k = k.typed_data(); job->v = v.typed_data();
   job->lens = lens.typed_data();
@@ -452,7 +534,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
       const int64_t nb = blocks_of(std::clamp<int64_t>(lens.typed_data()[b], 0, d.S));
       if (nb == 1) continue;
       for (int64_t h = 0; h < d.KV; ++h) {
-        const int64_t u = job->first_unit[b] + h * nb, base = (b * d.KV + h) * nq;
+        const int64_t u = job->first_partial[b] + h * nb, base = (b * d.KV + h) * nq;
         merge_blocks(nb, nq, d.D, job->pm + u * nq, job->pl + u * nq, job->pacc + u * nq * d.D,
                      m->typed_data() + base, l->typed_data() + base, acc->typed_data() + base * d.D);
       }
