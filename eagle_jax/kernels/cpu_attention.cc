@@ -486,9 +486,12 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   bool split = false;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (!tiled) {
-    // All of a row's kv heads in one unit where there are rows enough to share out over
-    // the threads (and scratch for their queries); else a unit a head.
-    if (d.B >= 2 * threads && d.KV * nq <= kMaxQA) job->heads = d.KV;
+    // All of a row's kv heads in one unit where those units, (row, block) pairs, are
+    // enough to share out over the threads (and there is scratch for their queries);
+    // else a unit a head.
+    int64_t blocks = 0;
+    for (int64_t b = 0; b < d.B; ++b) blocks += blocks_of(std::clamp<int64_t>(lens.typed_data()[b], 0, d.S));
+    if (blocks >= 2 * threads && d.KV * nq <= kMaxQA) job->heads = d.KV;
     const int64_t groups = d.KV / job->heads;
     job->first_unit.resize(d.B + 1);
     job->first_partial.resize(d.B + 1);
