@@ -85,4 +85,11 @@ def pow2_at_least(n: int) -> int:
 # compile. Elsewhere 512 (not measured on an accelerator yet).
 DEFAULT_MAX_CHUNK = 512
 CPU_MAX_CHUNK = 128
+# On a CPU, prefill chunk lengths also go in steps of CPU_CHUNK_STEP between the smallest
+# and the largest (64, 96, 128), not only in powers of two: a CPU's prefill is
+# compute-bound, so a padded token costs what a real one does, and real chat prompts are
+# short (the 400 held-out prompts with SmolLM2's template: median 86 tokens). Their
+# padding falls from 24% to 14% of the prefill's tokens (steps of 16: 9%, for three more
+# chunk graphs per prefill batch; docs/measuring.md, "Prefill chunks"). None elsewhere.
+CPU_CHUNK_STEP = 32
 

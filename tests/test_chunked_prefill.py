@@ -158,3 +158,28 @@ def test_prefill_chunks_on_the_cpu_attention_kernels_tiled_path(hf_and_target):
                    speculative=SPEC)
     assert [c.token_ids for c in spec.generate(prompts, greedy)] == out
     assert spec.metrics.spec_steps > 0
+
+
+def test_the_cpu_default_chunks_step_by_32_and_stay_lossless(hf_and_target):
+    """On a CPU the default chunk lengths are 64, 96 and 128 (padding costs compute
+    there: real chat prompts are mostly 60-120 tokens): a 65-token prompt runs one chunk
+    of 96, not 128, and prompts across 96's boundaries still decode as transformers
+    does, plainly and under speculation."""
+    hf, target = hf_and_target
+    cfg = target.config
+    lengths = (65, 96, 97, 129, 200)
+    plans = {65: (96,), 96: (96,), 97: (128,), 129: (128, 64), 200: (128, 96)}
+    prompts = [[3 + (13 * i + n) % (cfg.vocab_size - 3) for i in range(n)] for n in lengths]
+    greedy = SamplingParams(max_new_tokens=NEW)
+    eng = _engine(target, prompt_buckets=None, max_seq_len=256, max_batch=1)
+    assert eng.config.prompt_buckets == (64, 96, 128)
+    assert {n: chunk_plan(n, eng.config.prompt_buckets) for n in lengths} == plans
+    out = [c.token_ids for c in eng.generate(prompts, greedy)]
+    assert eng.metrics.prefill_chunks == sum(len(p) for p in plans.values())
+    assert eng.metrics.prefill_padded_tokens == sum(sum(p) for p in plans.values())
+    for p, got in zip(prompts, out):
+        assert got == _transformers_greedy(hf, p, NEW), len(p)
+    spec = _engine(target, random_draft(cfg, seed=3), prompt_buckets=None, max_seq_len=256, max_batch=1,
+                   spec_policy="fixed", speculative=SPEC)
+    assert [c.token_ids for c in spec.generate(prompts, greedy)] == out
+    assert spec.metrics.spec_steps > 0

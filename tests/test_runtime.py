@@ -361,20 +361,27 @@ def test_engine_stream_ends_with_the_flushed_text(target, monkeypatch):
 
 
 def test_cli_prompt_buckets_follow_the_longest_prompt():
-    """Each prompt is prefilled in chunks of powers of two up to the largest chunk: a file
-    of 40-token questions and 1,000-token documents keeps a 64-token chunk for the
-    questions, and the documents go in chunks of at most default_max_chunk(): 128 on a
-    CPU (measured: larger chunks prefill no faster there), 512 elsewhere."""
-    from eagle_jax.runtime.plan import default_max_chunk, prompt_buckets_for
+    """Each prompt is prefilled in chunks of powers of two up to the largest chunk (and,
+    on a CPU, 96 between 64 and 128): a file of 40-token questions and 1,000-token
+    documents keeps a 64-token chunk for the questions, and the documents go in chunks
+    of at most default_max_chunk(): 128 on a CPU (measured: larger chunks prefill no
+    faster there), 512 elsewhere."""
+    from eagle_jax.runtime.plan import default_chunk_step, default_max_chunk, prompt_buckets_for
     from eagle_jax.serving.engine import EngineConfig
 
     assert default_max_chunk("cpu") == 128 and default_max_chunk("gpu") == default_max_chunk("tpu") == 512
     assert default_max_chunk() == 128  # the tests run on a CPU
     assert prompt_buckets_for(40, 2048) == (64,)
-    assert prompt_buckets_for(1000, 2048) == (64, 128)
-    assert EngineConfig(max_seq_len=2048).prompt_buckets == (64, 128)
-    assert prompt_buckets_for(1000, 2048, max_chunk=1024) == (64, 128, 256, 512, 1024)
-    assert prompt_buckets_for(1500, 384, max_chunk=512) == (64, 128, 256, 384)
+    # On a CPU a chunk's padding costs compute: a step of 32 in the first octave.
+    assert default_chunk_step("cpu") == 32 and default_chunk_step("gpu") is None
+    assert prompt_buckets_for(70, 2048) == prompt_buckets_for(1000, 2048) == (64, 96, 128)
+    assert EngineConfig(max_seq_len=2048).prompt_buckets == (64, 96, 128)
+    assert EngineConfig(max_seq_len=100).prompt_buckets == (64, 100)  # no 96: a step below 100
+    assert prompt_buckets_for(1000, 2048, step=None) == (64, 128)  # a GPU's
+    assert prompt_buckets_for(1000, 2048, step=16) == (64, 80, 96, 112, 128)
+    assert prompt_buckets_for(1000, 2048, max_chunk=1024) == (64, 96, 128, 256, 512, 1024)
+    assert prompt_buckets_for(1000, 2048, max_chunk=1024, step=None) == (64, 128, 256, 512, 1024)
+    assert prompt_buckets_for(1500, 384, max_chunk=512) == (64, 96, 128, 256, 384)
     assert prompt_buckets_for(1500, 100) == (64, 100)
     assert prompt_buckets_for(10, 16) == (16,)
 

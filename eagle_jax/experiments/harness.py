@@ -116,8 +116,8 @@ def encode(tokenizer, rec: PromptRecord) -> list[int]:
 
 
 def context_sizes(longest: int, max_new_tokens: int, context: int) -> tuple[int, tuple[int, ...]]:
-    """(max_seq_len, prompt_buckets) for the longest prompt: powers of two from
-    ``MIN_PROMPT_BUCKET`` up to the one that holds it (the CLI's rule)."""
+    """(max_seq_len, prompt_buckets) for the longest prompt: the CLI's rule
+    (``runtime.plan.prompt_buckets_for`` from ``MIN_PROMPT_BUCKET``)."""
     max_seq_len = min(context, pow2_at_least(longest + max_new_tokens))
     return max_seq_len, prompt_buckets_for(longest, max_seq_len, MIN_PROMPT_BUCKET)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from eagle_jax.errors import ConfigError
 from eagle_jax.kernels.plan import check_kernel_impl
-from eagle_jax.runtime.plan import default_max_chunk
+from eagle_jax.runtime.plan import prompt_buckets_for
 from eagle_jax.runtime.sharding import check_draft_sharding, check_mesh_shape
 from eagle_jax.serving.policy import (
     AUTO_MIN_DEPTH_GAIN, DEFAULT_AUTO_SHAPES, AutoPolicy, FixedPolicy, PlainPolicy, SpeculationPolicy, ThresholdPolicy, card_acceptance, parse_shapes,
@@ -38,9 +38,10 @@ class EngineConfig:
       max_batch: requests decoded at once (more are queued).
       max_seq_len: context of one request (prompt + new tokens).
       batch_buckets: padded batch sizes compiled (default powers of two up to max_batch).
-      prompt_buckets: the prefill chunk lengths compiled (default powers of two from 64
-        up to ``min(max_seq_len, runtime.plan.default_max_chunk())``: 128 on a CPU, 512
-        elsewhere). A prompt is prefilled in chunks
+      prompt_buckets: the prefill chunk lengths compiled (default
+        ``runtime.plan.prompt_buckets_for(max_seq_len, max_seq_len)``: powers of two from
+        64 up to ``min(max_seq_len, runtime.plan.default_max_chunk())``, 512 on a GPU; on
+        a CPU 64, 96 and 128, since padding costs compute there). A prompt is prefilled in chunks
         of these (``scheduler.chunk_plan``): full chunks of the largest that fit, then one
         that pads by less than the smallest, so a prompt costs what its own length costs
         and any prompt shorter than ``max_seq_len`` is served.
@@ -177,7 +178,7 @@ class EngineConfig:
         if self.batch_buckets is None:
             object.__setattr__(self, "batch_buckets", _powers_of_two(1, self.max_batch))
         if self.prompt_buckets is None:
-            object.__setattr__(self, "prompt_buckets", _powers_of_two(min(64, self.max_seq_len), min(self.max_seq_len, default_max_chunk())))
+            object.__setattr__(self, "prompt_buckets", prompt_buckets_for(self.max_seq_len, self.max_seq_len))
         for name, top in (("batch_buckets", self.max_batch), ("prompt_buckets", self.max_seq_len)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)
