@@ -43,6 +43,7 @@ import struct
 import time
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -117,10 +118,14 @@ class ExecutableCache:
     def has(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def load(self, key: str, name: str) -> tuple[Any, dict | None] | None:
+    def load(self, key: str, name: str, devices: Sequence[Any] | None = None) -> tuple[Any, dict | None] | None:
         """(the compiled executable stored under ``key``, its memory analysis as stored:
         ``{"temp": bytes, "code": bytes}`` or None), or None (not stored, or unreadable:
-        then a warning names ``name`` and the file, which is removed)."""
+        then a warning names ``name`` and the file, which is removed). ``devices``: the
+        ones it runs on, in its mesh's order (default: every device of the backend, which
+        is wrong for a mesh over some of them: a graph over 1 of 2 devices loaded that way
+        failed at its first call, "execute with 2 argument lists when local device count
+        is 1")."""
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -134,7 +139,8 @@ class ExecutableCache:
             payload, in_tree, out_tree, memory = _unframe(data)
             from jax.experimental import serialize_executable
 
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=list(devices) if devices is not None else None)
         except Exception as e:  # noqa: BLE001 - any unreadable entry is compiled again, said out loud
             warnings.warn(f"eagle-jax: the cached executable of {name} ({path}) could not be loaded "
                           f"({type(e).__name__}: {e}); compiling it again", stacklevel=2)

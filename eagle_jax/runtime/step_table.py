@@ -676,7 +676,7 @@ class StepTable:
 
         def load(exe_key, name):
             t = time.perf_counter()
-            got = cache.load(exe_key, name)
+            got = cache.load(exe_key, name, devices=list(self.mesh.devices.flat))
             if got is None:
                 return None, time.perf_counter() - t, False, False, None
             graph, memory = got

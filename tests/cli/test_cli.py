@@ -265,8 +265,8 @@ def tiny_tp_model(tmp_path_factory):
     return path
 
 
-def _run_devices(n_devices, *args, timeout=300):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n_devices))
+def _run_devices(n_devices, *args, timeout=300, env=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n_devices), **(env or {}))
     return subprocess.run([sys.executable, "-m", "eagle_jax.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -284,6 +284,31 @@ def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tmp_path, tiny_tp
         rows[mesh] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
     assert rows["data=1,model=2"] == rows["data=1,model=1"]
     assert all(len(t) == 8 for t in rows["data=1,model=1"])
+
+
+def test_a_mesh_over_some_devices_loads_its_cached_executables(tmp_path, tiny_tp_model):
+    """A mesh over one of two devices, run twice with a fresh cache: the second run loads
+    every graph from the executable cache and decodes as the first. (Loaded for every
+    device of the backend, its first call failed: "execute with 2 argument lists when
+    local device count is 1".)"""
+    import re
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": 0, "prompt": "w5 w6 w7"}) + "\n")
+    outs, loaded = [], []
+    for i in range(2):
+        out = tmp_path / f"{i}.jsonl"
+        env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jit"), "EAGLE_JAX_EXECUTABLE_CACHE": "on"}
+        r = _run_devices(2, "generate", "--model", tiny_tp_model, "--prompt-file", f, "--max-new-tokens", "8",
+                         "--no-speculation", "--mesh", "data=1,model=1", "--output", out, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "mesh data=1,model=1 over ['cpu:0']" in r.stderr
+        m = re.search(r"(\d+) of (\d+) loaded untraced from the executable cache", r.stderr)
+        assert m, r.stderr
+        loaded.append((int(m.group(1)), int(m.group(2))))
+        outs.append([json.loads(x)["token_ids"] for x in out.read_text().splitlines()])
+    assert loaded[0][0] == 0 and loaded[1][0] == loaded[1][1] > 0, loaded
+    assert outs[1] == outs[0] and len(outs[0][0]) == 8
 
 
 @pytest.mark.slow
