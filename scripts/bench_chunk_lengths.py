@@ -26,7 +26,6 @@ import argparse
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,8 @@ from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.serving.scheduler import chunk_plan
 from eagle_jax.spec.sampling import SamplingParams
 
+from bench_prefill import prefill_ttft as ttft  # scripts/ is on the path of a script run
+
 
 def chat_prompts(path: Path, tok: Tokenizer) -> list[list[int]]:
     out = []
@@ -47,23 +48,6 @@ def chat_prompts(path: Path, tok: Tokenizer) -> list[list[int]]:
         if line.strip():
             out.append(tok.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True, tokenize=True))
     return out
-
-
-def ttft(table: StepTable, samp, prompt: list[int], chunks: tuple[int, ...]) -> float:
-    """Seconds from the first chunk's launch to the first token on the host."""
-    put = table.device_put_rows
-    length = put(np.asarray([len(prompt)], np.int32))
-    t0 = time.perf_counter()
-    state, start = table.zeros(1), 0
-    for c in chunk_plan(len(prompt), chunks):
-        tok = np.zeros((1, c), np.int32)
-        piece = prompt[start : start + c]
-        tok[0, : len(piece)] = piece
-        nxt = np.asarray([prompt[start + c] if start + c < len(prompt) else 0], np.int32)
-        state, first = table.prefill_chunk(state, put(tok), put(np.asarray([start], np.int32)), length, put(nxt), samp)
-        start += c
-    int(np.asarray(first)[0])
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> None:
@@ -80,7 +64,7 @@ def main(argv=None) -> None:
     prompts = chat_prompts(args.prompts, tok)
     lengths = np.asarray([len(x) for x in prompts])
     max_seq_len = 1 << int(lengths.max() + 1).bit_length()
-    sets = {s: prompt_buckets_for(int(lengths.max()), max_seq_len, step=s or None) for s in args.steps}
+    sets = {s: prompt_buckets_for(int(lengths.max()), max_seq_len, step=s) for s in args.steps}
     rows = []
     for s, chunks in sets.items():
         padded = np.asarray([sum(chunk_plan(int(n), chunks)) for n in lengths])

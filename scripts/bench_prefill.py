@@ -78,21 +78,25 @@ class EnginePrefill:
         self.samp = self.table.sampling([SamplingParams()], 1)
 
     def ttft(self, prompt: list[int], max_chunk: int) -> float:
-        t = self.table
-        plan = chunk_plan(len(prompt), tuple(c for c in self.chunks if c <= max_chunk))
-        put = t.device_put_rows
-        length = put(np.asarray([len(prompt)], np.int32))
-        t0 = time.perf_counter()
-        state, start = t.zeros(1), 0
-        for c in plan:
-            tok = np.zeros((1, c), np.int32)
-            piece = prompt[start : start + c]
-            tok[0, : len(piece)] = piece
-            nxt = np.asarray([prompt[start + c] if start + c < len(prompt) else 0], np.int32)
-            state, first = t.prefill_chunk(state, put(tok), put(np.asarray([start], np.int32)), length, put(nxt), self.samp)
-            start += c
-        int(np.asarray(first)[0])
-        return time.perf_counter() - t0
+        return prefill_ttft(self.table, self.samp, prompt, tuple(c for c in self.chunks if c <= max_chunk))
+
+
+def prefill_ttft(table: StepTable, samp, prompt: list[int], chunks: tuple[int, ...]) -> float:
+    """Seconds from a batch-1 prefill's first chunk launch (``scheduler.chunk_plan`` over
+    ``chunks``, each a compiled prefill graph of ``table``) to its first token on the host."""
+    put = table.device_put_rows
+    length = put(np.asarray([len(prompt)], np.int32))
+    t0 = time.perf_counter()
+    state, start = table.zeros(1), 0
+    for c in chunk_plan(len(prompt), chunks):
+        tok = np.zeros((1, c), np.int32)
+        piece = prompt[start : start + c]
+        tok[0, : len(piece)] = piece
+        nxt = np.asarray([prompt[start + c] if start + c < len(prompt) else 0], np.int32)
+        state, first = table.prefill_chunk(state, put(tok), put(np.asarray([start], np.int32)), length, put(nxt), samp)
+        start += c
+    int(np.asarray(first)[0])
+    return time.perf_counter() - t0
 
 
 def gemm_rates(target, m: int, repeats: int) -> dict[str, float]:

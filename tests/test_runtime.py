@@ -377,10 +377,10 @@ def test_cli_prompt_buckets_follow_the_longest_prompt():
     assert prompt_buckets_for(70, 2048) == prompt_buckets_for(1000, 2048) == (64, 96, 128)
     assert EngineConfig(max_seq_len=2048).prompt_buckets == (64, 96, 128)
     assert EngineConfig(max_seq_len=100).prompt_buckets == (64, 100)  # no 96: a step below 100
-    assert prompt_buckets_for(1000, 2048, step=None) == (64, 128)  # a GPU's
+    assert prompt_buckets_for(1000, 2048, step=0) == (64, 128)  # a GPU's
     assert prompt_buckets_for(1000, 2048, step=16) == (64, 80, 96, 112, 128)
     assert prompt_buckets_for(1000, 2048, max_chunk=1024) == (64, 96, 128, 256, 512, 1024)
-    assert prompt_buckets_for(1000, 2048, max_chunk=1024, step=None) == (64, 128, 256, 512, 1024)
+    assert prompt_buckets_for(1000, 2048, max_chunk=1024, step=0) == (64, 128, 256, 512, 1024)
     assert prompt_buckets_for(1500, 384, max_chunk=512) == (64, 96, 128, 256, 384)
     assert prompt_buckets_for(1500, 100) == (64, 100)
     assert prompt_buckets_for(10, 16) == (16,)

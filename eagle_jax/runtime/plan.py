@@ -43,12 +43,12 @@ def default_chunk_step(backend: str | None = None) -> int | None:
 
 
 def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_chunk: int | None = None,
-                       step: int | None | str = "default") -> tuple[int, ...]:
+                       step: int | None = None) -> tuple[int, ...]:
     """Prefill chunk lengths: powers of two from ``smallest`` up to the one that holds
     ``longest``, capped at ``max_chunk`` (default ``default_max_chunk()``) and
     ``max_seq_len`` (a longer prompt goes in several chunks), so a short prompt in a file
     of long documents costs what it costs alone. With a ``step`` (default
-    ``default_chunk_step()``: 32 on a CPU, None elsewhere), the multiples of it between
+    ``default_chunk_step()``: 32 on a CPU, none elsewhere; 0: powers of two only), the multiples of it between
     the smallest length and twice it (and a step below the largest) are lengths too:
     (64, 96, 128) on a CPU, so a 70-token prompt runs one chunk of 96, not 128. (Past
     the first octave a prompt's last chunk pads by less than the smallest length, a
@@ -60,12 +60,11 @@ def prompt_buckets_for(longest: int, max_seq_len: int, smallest: int = 64, max_c
     while v < top:
         out.append(v)
         v *= 2
-    if step == "default":
-        step = default_chunk_step()
+    step = default_chunk_step() if step is None else step
     if step and out:
         lo = out[0]
         out += [m for m in range((lo // step + 1) * step, min(2 * lo, top - step + 1), step)]
-    return tuple(sorted(set(out))) + (top,)
+    return tuple(sorted(out)) + (top,)
 
 
 def resolve_plan(*, kernel_impl: str = "auto", mesh: Mesh | None = None, backend: str | None = None,
