@@ -34,12 +34,12 @@ from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.checkpoint.tokenizer import Tokenizer
 from eagle_jax.defaults import default_model_dir
 from eagle_jax.environment import fingerprint
+from eagle_jax.experiments.harness import prefill_ttft as ttft
 from eagle_jax.runtime.plan import prompt_buckets_for
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.serving.scheduler import chunk_plan
 from eagle_jax.spec.sampling import SamplingParams
 
-from bench_prefill import prefill_ttft as ttft  # scripts/ is on the path of a script run
 
 
 def chat_prompts(path: Path, tok: Tokenizer) -> list[list[int]]:

@@ -45,6 +45,7 @@ from eagle_jax.checkpoint.hf import load_model
 from eagle_jax.defaults import default_model_dir
 from eagle_jax.environment import fingerprint
 from eagle_jax.kernels import cpu_matmul
+from eagle_jax.experiments.harness import prefill_ttft
 from eagle_jax.runtime.step_table import StepTable
 from eagle_jax.serving.scheduler import chunk_plan
 from eagle_jax.spec.sampling import SamplingParams
@@ -79,24 +80,6 @@ class EnginePrefill:
 
     def ttft(self, prompt: list[int], max_chunk: int) -> float:
         return prefill_ttft(self.table, self.samp, prompt, tuple(c for c in self.chunks if c <= max_chunk))
-
-
-def prefill_ttft(table: StepTable, samp, prompt: list[int], chunks: tuple[int, ...]) -> float:
-    """Seconds from a batch-1 prefill's first chunk launch (``scheduler.chunk_plan`` over
-    ``chunks``, each a compiled prefill graph of ``table``) to its first token on the host."""
-    put = table.device_put_rows
-    length = put(np.asarray([len(prompt)], np.int32))
-    t0 = time.perf_counter()
-    state, start = table.zeros(1), 0
-    for c in chunk_plan(len(prompt), chunks):
-        tok = np.zeros((1, c), np.int32)
-        piece = prompt[start : start + c]
-        tok[0, : len(piece)] = piece
-        nxt = np.asarray([prompt[start + c] if start + c < len(prompt) else 0], np.int32)
-        state, first = table.prefill_chunk(state, put(tok), put(np.asarray([start], np.int32)), length, put(nxt), samp)
-        start += c
-    int(np.asarray(first)[0])
-    return time.perf_counter() - t0
 
 
 def gemm_rates(target, m: int, repeats: int) -> dict[str, float]:

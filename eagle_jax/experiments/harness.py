@@ -29,10 +29,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from eagle_jax.defaults import pow2_at_least
 from eagle_jax.runtime.plan import prompt_buckets_for
 from eagle_jax.errors import ConfigError, InputError
 from eagle_jax.serving.prompts import PromptRecord, iter_prompt_file
+from eagle_jax.serving.scheduler import chunk_plan
 from eagle_jax.spec.config import DRAFT_SYNC_MODES, SpeculativeConfig, parse_shape
 from eagle_jax.validate import int_at_least, is_number, one_of
 
@@ -362,6 +365,24 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     """The first index where two token sequences differ (the shorter's length when one is
     a prefix of the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def prefill_ttft(table, samp, prompt: list[int], chunks: tuple[int, ...]) -> float:
+    """Seconds from a batch-1 prefill's first chunk launch (``scheduler.chunk_plan`` over
+    ``chunks``, each a compiled prefill graph of ``table``) to its first token on the host."""
+    put = table.device_put_rows
+    length = put(np.asarray([len(prompt)], np.int32))
+    t0 = time.perf_counter()
+    state, start = table.zeros(1), 0
+    for c in chunk_plan(len(prompt), chunks):
+        tok = np.zeros((1, c), np.int32)
+        piece = prompt[start : start + c]
+        tok[0, : len(piece)] = piece
+        nxt = np.asarray([prompt[start + c] if start + c < len(prompt) else 0], np.int32)
+        state, first = table.prefill_chunk(state, put(tok), put(np.asarray([start], np.int32)), length, put(nxt), samp)
+        start += c
+    int(np.asarray(first)[0])
+    return time.perf_counter() - t0
 
 
 def timestamp() -> str:

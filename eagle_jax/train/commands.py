@@ -824,6 +824,11 @@ def cmd_train_draft(args) -> int:
         )
     if not resuming and args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
         raise InputError(f"{args.out} exists and is not empty (pass --overwrite to replace it, or --resume {args.out})")
+    # A resumed run (or the next round on the same data) loads its step graphs instead of
+    # compiling them again, inside its time budget.
+    from eagle_jax.defaults import enable_compilation_cache
+
+    enable_compilation_cache()
     cfg = TrainConfig(
         draft_vocab_size=args.draft_vocab, ttt_length=args.ttt_length, epochs=args.epochs,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, batch_size=args.batch_size, seed=args.seed,

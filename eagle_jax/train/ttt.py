@@ -560,12 +560,26 @@ class TrainCheckpoints:
                 continue
             if errors:
                 log.warning("resuming from step %d; newer checkpoints were unreadable: %s", step, "; ".join(errors))
-            return step, got["params"], got["opt_state"], meta
+            return step, _like(params, got["params"]), _like(opt_state, got["opt_state"]), meta
         detail = f" (unreadable: {'; '.join(errors)})" if errors else ""
         raise ConfigError(f"no checkpoint to resume from in {self.directory}{detail}")
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _like(template, restored):
+    """``restored`` with the placement of ``template``: orbax returns arrays committed to
+    their device, and a committed argument lowers to a different graph than the fresh,
+    uncommitted one (a sharding annotation on each input), so a resumed run compiled its
+    steps again instead of loading them from the compilation cache (5 s of a 25 s budget
+    on the test's tiny draft; CI ran past its budget on it)."""
+    def one(t, x):
+        if isinstance(t, jax.Array) and not t.committed and isinstance(x, jax.Array) and x.committed:
+            return jax.device_put(np.asarray(x))  # no device named: uncommitted, like the template
+        return x
+
+    return jax.tree.map(one, template, restored)
 
 
 def _vocab_digest(ids: np.ndarray) -> str:

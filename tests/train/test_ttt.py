@@ -478,3 +478,28 @@ def test_time_budget_flag_reads_durations():
     for bad in ("", "m", "-5m", "0", "soon", "infh"):
         with pytest.raises(argparse.ArgumentTypeError):
             _duration(bad)
+
+
+def test_a_restored_checkpoint_lowers_to_the_graphs_the_fresh_state_did(tmp_path):
+    """Orbax hands back arrays committed to their device; a committed input lowers to
+    another graph (a sharding annotation on each argument), so a resumed run compiled its
+    step again instead of loading it from the compilation cache. Restored state keeps the
+    placement of its template, and the step lowers to the same text."""
+    import optax
+
+    from eagle_jax.train.ttt import TrainCheckpoints
+
+    params = {"w": jnp.ones((4, 4)), "b": jnp.arange(4.0)}
+    opt_state = optax.adam(1e-3).init(params)
+    ck = TrainCheckpoints(tmp_path / "ck")
+    try:
+        ck.save(7, params, opt_state, {"step": 7})
+        step, got_params, got_opt, meta = ck.restore(params, opt_state)
+    finally:
+        ck.close()
+    assert step == 7 and meta["step"] == 7
+    for fresh, back in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((got_params, got_opt))):
+        assert back.committed == fresh.committed and back.dtype == fresh.dtype
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(fresh))
+    f = jax.jit(lambda p, s: (p["w"] @ p["b"], jax.tree.leaves(s)[0]))
+    assert f.lower(got_params, got_opt).as_text() == f.lower(params, opt_state).as_text()
