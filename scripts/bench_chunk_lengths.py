@@ -41,7 +41,6 @@ from eagle_jax.serving.scheduler import chunk_plan
 from eagle_jax.spec.sampling import SamplingParams
 
 
-
 def chat_prompts(path: Path, tok: Tokenizer) -> list[list[int]]:
     out = []
     for line in path.read_text().splitlines():
